@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The test command: sets up (scripts/setup.sh), starts PostgreSQL and Redis when needed, then lint, types
+# and the whole test suite. Extra arguments go to pytest (e.g. `bash scripts/test.sh -k ingest`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+bash scripts/services.sh
+echo "== ruff"; .venv/bin/ruff check . && .venv/bin/ruff format --check .
+echo "== mypy"; .venv/bin/mypy
+echo "== pytest"; .venv/bin/python -m pytest "$@"

@@ -1,0 +1,80 @@
+"""`stepwatch-server`: run the collector (`serve`) or a live demonstration (`demo`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+
+def _add_server_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default %(default)s)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default %(default)s; 0 = any free)")
+    parser.add_argument(
+        "--database-url",
+        default=None,
+        help="SQLAlchemy URL; default $STEPWATCH_DATABASE_URL or sqlite:///./stepwatch.db "
+        "(PostgreSQL: postgresql+psycopg://user@host/db)",
+    )
+    parser.add_argument(
+        "--token", default=None, help="require 'Authorization: Bearer TOKEN' on ingest (default $STEPWATCH_TOKEN)"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stepwatch-server", description="The stepwatch collector.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the collector")
+    _add_server_options(serve)
+
+    demo = sub.add_parser(
+        "demo", help="run the collector and a real multi-rank CPU training run (torch.distributed, gloo) feeding it"
+    )
+    _add_server_options(demo)
+    demo.add_argument("--ranks", type=int, default=4, help="training processes (default %(default)s)")
+    demo.add_argument("--steps", type=int, default=3000, help="optimizer steps per rank (default %(default)s)")
+    demo.add_argument("--run", default="demo", help="run name (default %(default)s)")
+    demo.add_argument(
+        "--exit-when-done", action="store_true", help="stop the collector when training ends (default: keep serving)"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from stepwatch_server.settings import Settings
+
+    try:
+        settings = Settings.from_env(database_url=args.database_url, token=args.token)
+    except ValueError as exc:
+        print(f"stepwatch-server: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "serve":
+        from stepwatch_server.serving import serve_forever
+
+        serve_forever(settings, host=args.host, port=args.port)
+        return 0
+    from stepwatch_server.demo import run_demo
+
+    if args.ranks < 1 or args.steps < 1:
+        print("stepwatch-server demo: --ranks and --steps must be at least 1", file=sys.stderr)
+        return 2
+    return run_demo(
+        settings,
+        host=args.host,
+        port=args.port,
+        ranks=args.ranks,
+        steps=args.steps,
+        run=args.run,
+        keep_serving=not args.exit_when_done,
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

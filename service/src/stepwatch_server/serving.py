@@ -1,0 +1,54 @@
+"""Running the collector's HTTP server: in the foreground (`serve`) or on a background thread (demo, tests)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import uvicorn
+
+from stepwatch_server.app import create_app
+from stepwatch_server.settings import Settings
+
+log = logging.getLogger("stepwatch_server")
+STARTUP_TIMEOUT_S = 60.0
+
+
+def _config(settings: Settings, host: str, port: int) -> uvicorn.Config:
+    return uvicorn.Config(create_app(settings), host=host, port=port, log_level="warning", access_log=False)
+
+
+def serve_forever(settings: Settings, *, host: str, port: int) -> None:
+    """Serve until interrupted (Ctrl-C / SIGTERM)."""
+    log.info("stepwatch collector on http://%s:%d (database %s)", host, port, settings.redacted_database_url)
+    uvicorn.Server(_config(settings, host, port)).run()
+
+
+class BackgroundServer:
+    """A real uvicorn server on a thread: `start()` returns once it accepts connections."""
+
+    def __init__(self, settings: Settings, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._server = uvicorn.Server(_config(settings, host, port))
+        self._thread = threading.Thread(target=self._server.run, name="stepwatch-server", daemon=True)
+        self.host = host
+        self.port = port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> BackgroundServer:
+        self._thread.start()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the collector did not start on {self.host}:{self.port}")
+            time.sleep(0.02)
+        sockets = [s for server in self._server.servers for s in server.sockets]
+        self.port = int(sockets[0].getsockname()[1])
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
