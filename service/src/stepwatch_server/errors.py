@@ -1,0 +1,107 @@
+"""One error hierarchy for the API, and the one handler that renders it.
+
+Every error answer has the same shape: `{"error": {"code": ..., "field": ..., "message": ...}}`,
+where `field` is the path of the offending field in the request (or null) and `message` names the
+field and the problem, so that a client author can fix the request from the answer alone.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from stepwatch_server.responses import json_response
+
+
+class ApiError(Exception):
+    """An error with an HTTP status, a stable machine-readable code and a human message."""
+
+    status: int = 400
+    code: str = "bad_request"
+
+    def __init__(self, message: str, *, field: str | None = None, code: str | None = None,
+                 status: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        if code is not None:
+            self.code = code
+        if status is not None:
+            self.status = status
+
+    def body(self) -> dict[str, object]:
+        return {"error": {"code": self.code, "field": self.field, "message": self.message}}
+
+
+class BadRequest(ApiError):
+    status = 400
+    code = "bad_request"
+
+
+class Unauthorized(ApiError):
+    status = 401
+    code = "unauthorized"
+
+
+class NotFound(ApiError):
+    status = 404
+    code = "not_found"
+
+
+class PayloadTooLarge(ApiError):
+    status = 413
+    code = "too_large"
+
+
+class UnsupportedMediaType(ApiError):
+    status = 415
+    code = "unsupported_media_type"
+
+
+class InvalidBatch(ApiError):
+    """The body parsed but a field is wrong: 422, naming the field path."""
+
+    status = 422
+    code = "invalid_field"
+
+
+class ServiceUnavailable(ApiError):
+    status = 503
+    code = "unavailable"
+
+
+def _render(status: int, code: str, field: str | None, message: str,
+            headers: dict[str, str] | None = None) -> Response:
+    body = {"error": {"code": code, "field": field, "message": message}}
+    return json_response(body, status=status, headers=headers)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else None
+    return _render(exc.status, exc.code, exc.field, exc.message, headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return _render(exc.status_code, code, None, str(exc.detail), dict(exc.headers or {}) or None)
+
+
+async def _query_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(part) for part in first.get("loc", ()) if part not in ("query", "path", "body")]
+    field = ".".join(loc) or None
+    message = f"{field}: {first.get('msg', 'invalid')}" if field else str(first.get("msg", "invalid"))
+    return _render(422, "invalid_parameter", field, message)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error the API can produce through the one error shape."""
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _query_error)

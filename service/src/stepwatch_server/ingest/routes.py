@@ -1,0 +1,102 @@
+"""`POST /api/v1/ingest` (docs/ingest.md).
+
+The event loop only checks the token and streams the body in under the size limit; decompression,
+parsing, validation and the database transaction run in the thread pool. The answer is sent after
+the commit; `_after_commit()` is the single point where stored batches leave ingest (the bus that
+feeds the detectors hooks in there).
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import Response
+
+from stepwatch_server.errors import BadRequest, PayloadTooLarge, Unauthorized
+from stepwatch_server.ingest.body import decode_body
+from stepwatch_server.ingest.example import EXAMPLE_BATCH
+from stepwatch_server.ingest.schema import Batch
+from stepwatch_server.ingest.store import BatchWriter, IngestResult
+from stepwatch_server.ingest.validate import parse_batch
+from stepwatch_server.responses import json_response
+from stepwatch_server.settings import Settings
+
+router = APIRouter(prefix="/api/v1", tags=["ingest"])
+
+_ERROR_SCHEMA = {
+    "type": "object",
+    "properties": {"error": {"type": "object", "properties": {
+        "code": {"type": "string"}, "field": {"type": ["string", "null"]}, "message": {"type": "string"},
+    }}},
+}
+_OPENAPI = {
+    "requestBody": {
+        "required": True,
+        "description": "One batch: the records of one rank for some steps, as columns (docs/ingest.md). "
+        "`Content-Encoding: gzip` accepted; at most 16 MiB on the wire and after decompression.",
+        "content": {"application/json": {"schema": {"type": "object"}, "example": EXAMPLE_BATCH}},
+    },
+    "responses": {
+        "200": {"description": "Committed (or recognised as a duplicate).", "content": {"application/json": {
+            "example": {"accepted": True, "rows": 20, "duplicates": 0, "incarnation": 1}}}},
+        **{code: {"description": what, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+           for code, what in (("400", "Not gzip, not UTF-8 or not JSON."), ("401", "Token missing or wrong."),
+                              ("413", "Over the size limit."), ("415", "Unsupported Content-Encoding."),
+                              ("422", "A field is invalid; `field` and `message` say which and why."))},
+    },
+}
+
+
+def check_token(request: Request, token: str | None) -> None:
+    if token is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise Unauthorized("missing or wrong bearer token: send 'Authorization: Bearer <token>'",
+                           field="Authorization")
+
+
+async def read_body_bounded(request: Request, limit: int) -> bytes:
+    """The raw body, refused with 413 as soon as it is known to exceed `limit` bytes."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        try:
+            declared = int(length)
+        except ValueError:
+            raise BadRequest("Content-Length is not an integer", field="Content-Length") from None
+        if declared > limit:
+            raise PayloadTooLarge(f"the body is {declared} bytes; the limit is {limit} bytes on the wire",
+                                  field="body")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes on the wire", field="body")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _after_commit(request: Request, batch: Batch, result: IngestResult) -> None:
+    """Stored batches leave ingest here (nothing listens yet; the detectors' bus will)."""
+
+
+def _ingest_sync(writer: BatchWriter, raw: bytes, encoding: str | None, limit: int) -> tuple[Batch, IngestResult]:
+    batch = parse_batch(decode_body(raw, encoding, limit))
+    return batch, writer.write(batch)
+
+
+@router.post("/ingest", summary="Ingest one batch (one rank, many steps)", openapi_extra=_OPENAPI)
+async def ingest(request: Request) -> Response:
+    settings: Settings = request.app.state.settings
+    check_token(request, settings.token)
+    raw = await read_body_bounded(request, settings.max_batch_bytes)
+    batch, result = await run_in_threadpool(
+        _ingest_sync, request.app.state.writer, raw, request.headers.get("content-encoding"),
+        settings.max_batch_bytes,
+    )
+    _after_commit(request, batch, result)
+    return json_response(result.answer())

@@ -1,0 +1,301 @@
+"""The bulk writer: one validated batch -> one database transaction.
+
+Everything of a batch (its values, step timestamps, fingerprints, events, the rank's state and the
+idempotency record `(session, seq)`) is written in ONE transaction, so a batch is either stored
+whole and acknowledged, or not at all. Values go in with executemany of prepared rows
+(`insert_points`), never one ORM object per value; names are turned into small integer series ids
+through a per-run dictionary that is cached in memory once committed.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from sqlalchemy import Connection, Engine, Insert, Table, func, select, tuple_, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.exc import IntegrityError
+
+from stepwatch_server.errors import InvalidBatch
+from stepwatch_server.ingest.schema import Batch, Column
+from stepwatch_server.storage.engine import write_transaction
+from stepwatch_server.storage.models import (
+    METRIC_STAT,
+    AgentSession,
+    Event,
+    Fingerprint,
+    IngestedBatch,
+    Point,
+    Rank,
+    Run,
+    Series,
+    StepRecord,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_WRITE_ATTEMPTS = 5  # concurrent first batches of a run/rank/session race on unique keys; retry
+RUN_TOUCH_INTERVAL_S = 5.0  # runs.last_seen_at is refreshed at most this often (it is a hot row)
+
+_POINTS: Table = Point.__table__  # type: ignore[assignment]
+_STEPS: Table = StepRecord.__table__  # type: ignore[assignment]
+_FINGERPRINTS: Table = Fingerprint.__table__  # type: ignore[assignment]
+_EVENTS: Table = Event.__table__  # type: ignore[assignment]
+_SERIES: Table = Series.__table__  # type: ignore[assignment]
+_BATCHES: Table = IngestedBatch.__table__  # type: ignore[assignment]
+
+
+@dataclass(frozen=True, slots=True)
+class IngestResult:
+    rows: int
+    duplicates: int
+    incarnation: int
+    run_id: int
+    restarted: bool = False  # this batch opened a new incarnation (> 1) of its rank
+
+    def answer(self) -> dict[str, Any]:
+        return {"accepted": True, "rows": self.rows, "duplicates": self.duplicates,
+                "incarnation": self.incarnation}
+
+
+def insert_ignore(conn: Connection, table: Table) -> Insert:
+    """`INSERT ... ON CONFLICT DO NOTHING` for the connection's dialect."""
+    factory = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+    return factory(table).on_conflict_do_nothing()
+
+
+def insert_points(conn: Connection, rows: Sequence[Mapping[str, Any]]) -> None:
+    """The raw bulk insert of value rows (series_id, rank, step, incarnation, value): one executemany.
+
+    This is the statement ingest spends its database time in; benchmarks call it directly to
+    measure the storage rate without HTTP, parsing or validation.
+    """
+    if rows:
+        conn.execute(insert_ignore(conn, _POINTS), list(rows))
+
+
+def _utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def _from_unix(ts: float) -> dt.datetime:
+    return dt.datetime.fromtimestamp(ts, dt.UTC)
+
+
+def _column_rows(series_id: int, rank: int, incarnation: int, steps: np.ndarray,
+                 col: Column) -> list[dict[str, Any]]:
+    values = col.values
+    if col.present is not None:
+        steps, values = steps[col.present], values[col.present]
+    return [
+        {"series_id": series_id, "rank": rank, "step": s, "incarnation": incarnation, "value": v}
+        for s, v in zip(steps.tolist(), values.tolist(), strict=True)
+    ]
+
+
+class _Duplicate(Exception):
+    def __init__(self, result: IngestResult) -> None:
+        super().__init__("duplicate batch")
+        self.result = result
+
+
+class BatchWriter:
+    """Writes validated batches to one database. Thread-safe; one per engine."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._series_ids: dict[tuple[int, str, str], int] = {}
+        self._cache_lock = threading.Lock()
+
+    def write(self, batch: Batch) -> IngestResult:
+        """Store `batch` (or recognise it as a duplicate) and return the answer's numbers.
+
+        Returns only after the transaction committed. Raises InvalidBatch when the session id is
+        already used by another run or rank.
+        """
+        for attempt in range(1, MAX_WRITE_ATTEMPTS + 1):
+            new_series: dict[tuple[int, str, str], int] = {}
+            try:
+                with write_transaction(self.engine) as conn:
+                    result = self._write(conn, batch, new_series)
+            except _Duplicate as dup:  # raised inside the transaction, which rolled back
+                return dup.result
+            except IntegrityError:
+                if attempt == MAX_WRITE_ATTEMPTS:
+                    raise
+                log.debug("ingest race on a unique key (attempt %d); retrying", attempt)
+                continue
+            if new_series:  # cached only once committed
+                with self._cache_lock:
+                    self._series_ids.update(new_series)
+            return result
+        raise AssertionError("unreachable")
+
+    # -- inside the transaction -------------------------------------------------------------
+
+    def _write(self, conn: Connection, batch: Batch, new_series: dict[tuple[int, str, str], int]) -> IngestResult:
+        now = _utcnow()
+        run_id = self._run_id(conn, batch, now)
+        incarnation, new_session = self._session(conn, batch, run_id, now)
+        rows = batch.value_rows()
+        inserted = conn.execute(
+            insert_ignore(conn, _BATCHES).returning(_BATCHES.c.seq),
+            {"session_id": batch.session, "seq": batch.seq, "received_at": now, "rows": rows},
+        ).first()
+        if inserted is None:  # (session, seq) already stored: store nothing, say so
+            raise _Duplicate(IngestResult(rows=0, duplicates=rows, incarnation=incarnation, run_id=run_id))
+
+        series_ids = self._series(conn, run_id, batch, new_series)
+        point_rows: list[dict[str, Any]] = []
+        for name, col in batch.metrics.items():
+            point_rows += _column_rows(series_ids[(METRIC_STAT, name)], batch.rank, incarnation, batch.steps, col)
+        for stat, cols in batch.tensors.items():
+            for name, col in cols.items():
+                point_rows += _column_rows(series_ids[(stat, name)], batch.rank, incarnation,
+                                           batch.tensor_steps, col)
+        insert_points(conn, point_rows)
+
+        if batch.steps.size:
+            conn.execute(insert_ignore(conn, _STEPS), [
+                {"run_id": run_id, "rank": batch.rank, "step": s, "incarnation": incarnation, "ts": t}
+                for s, t in zip(batch.steps.tolist(), batch.timestamps.tolist(), strict=True)
+            ])
+        if batch.fingerprints:
+            conn.execute(insert_ignore(conn, _FINGERPRINTS), [
+                {"run_id": run_id, "rank": batch.rank, "step": s, "incarnation": incarnation,
+                 "replica_group": batch.replica_group, "shard": batch.shard, "value": v}
+                for s, v in zip(batch.fingerprint_steps.tolist(), batch.fingerprints, strict=True)
+            ])
+        if batch.events:
+            conn.execute(_EVENTS.insert(), [
+                {"run_id": run_id, "rank": batch.rank, "step": e.step, "incarnation": incarnation,
+                 "ts": e.ts, "kind": e.kind, "data": e.data}
+                for e in batch.events
+            ])
+        self._rank(conn, batch, run_id, incarnation, now)
+        return IngestResult(rows=rows, duplicates=0, incarnation=incarnation, run_id=run_id,
+                            restarted=new_session and incarnation > 1)
+
+    def _run_id(self, conn: Connection, batch: Batch, now: dt.datetime) -> int:
+        row = conn.execute(
+            select(Run.id, Run.world_size, Run.last_seen_at).where(Run.name == batch.run)
+        ).first()
+        if row is None:
+            conn.execute(insert_ignore(conn, Run.__table__), {  # type: ignore[arg-type]
+                "name": batch.run, "world_size": batch.world_size, "created_at": now, "last_seen_at": now,
+            })
+            return int(conn.execute(select(Run.id).where(Run.name == batch.run)).scalar_one())
+        run_id, world_size, last_seen = int(row[0]), int(row[1]), row[2]
+        # The run row is shared by every rank: update it only when something changed, so that
+        # concurrent ranks do not queue on its row lock.
+        if world_size != batch.world_size or (now - last_seen).total_seconds() > RUN_TOUCH_INTERVAL_S:
+            conn.execute(update(Run).where(Run.id == run_id).values(world_size=batch.world_size, last_seen_at=now))
+        return run_id
+
+    def _session(self, conn: Connection, batch: Batch, run_id: int, now: dt.datetime) -> tuple[int, bool]:
+        row = conn.execute(
+            select(AgentSession.run_id, AgentSession.rank, AgentSession.incarnation, AgentSession.first_step)
+            .where(AgentSession.id == batch.session)
+        ).first()
+        first_step = int(batch.steps[0]) if batch.steps.size else None
+        if row is not None:
+            if row.run_id != run_id or row.rank != batch.rank:
+                raise InvalidBatch(
+                    f"session: {batch.session!r} already belongs to another run or rank; "
+                    "use a new session id per process and rank", field="session", code="session_conflict",
+                )
+            if row.first_step is None and first_step is not None:
+                conn.execute(update(AgentSession).where(AgentSession.id == batch.session)
+                             .values(first_step=first_step))
+            return int(row.incarnation), False
+        previous = conn.execute(
+            select(func.max(AgentSession.incarnation))
+            .where(AgentSession.run_id == run_id, AgentSession.rank == batch.rank)
+        ).scalar()
+        incarnation = int(previous or 0) + 1
+        # Two new sessions of one rank at once both pick max+1: the unique constraint
+        # (run_id, rank, incarnation) fails one of them, and write() retries it.
+        conn.execute(AgentSession.__table__.insert(), {  # type: ignore[attr-defined]
+            "id": batch.session, "run_id": run_id, "rank": batch.rank, "incarnation": incarnation,
+            "first_step": first_step, "started_at": now,
+        })
+        return incarnation, True
+
+    def _series(self, conn: Connection, run_id: int, batch: Batch,
+                new_series: dict[tuple[int, str, str], int]) -> dict[tuple[str, str], int]:
+        wanted = [(METRIC_STAT, name) for name in batch.metrics]
+        wanted += [(stat, name) for stat, cols in batch.tensors.items() for name in cols]
+        ids: dict[tuple[str, str], int] = {}
+        missing: list[tuple[str, str]] = []
+        for key in wanted:
+            sid = self._series_ids.get((run_id, *key))
+            if sid is None:
+                missing.append(key)
+            else:
+                ids[key] = sid
+        if missing:
+            conn.execute(insert_ignore(conn, _SERIES), [
+                {"run_id": run_id, "stat": stat, "name": name} for stat, name in missing
+            ])
+            for chunk in _chunks(missing, 500):
+                found = conn.execute(
+                    select(Series.stat, Series.name, Series.id)
+                    .where(Series.run_id == run_id, tuple_(Series.stat, Series.name).in_(chunk))
+                )
+                for stat, name, sid in found:
+                    ids[(stat, name)] = sid
+                    new_series[(run_id, stat, name)] = sid
+        return ids
+
+    def _rank(self, conn: Connection, batch: Batch, run_id: int, incarnation: int, now: dt.datetime) -> None:
+        query = select(Rank).where(Rank.run_id == run_id, Rank.rank == batch.rank)
+        if conn.dialect.name == "postgresql":
+            query = query.with_for_update()
+        current = conn.execute(query).mappings().first()
+        hb = batch.heartbeat
+        batch_last = int(batch.steps[-1]) if batch.steps.size else None
+        if hb is not None and hb.last_step is not None:
+            batch_last = hb.last_step if batch_last is None else max(batch_last, hb.last_step)
+        identity = {
+            "node": batch.node, "local_rank": batch.local_rank, "world_size": batch.world_size,
+            "replica_group": batch.replica_group, "shard": batch.shard, "num_shards": batch.num_shards,
+        }
+        if current is None:
+            conn.execute(Rank.__table__.insert(), {  # type: ignore[attr-defined]
+                "run_id": run_id, "rank": batch.rank, **identity, "incarnation": incarnation,
+                "last_step": batch_last, "last_seen_at": now,
+                "last_heartbeat_at": None if hb is None else _from_unix(hb.ts),
+                "phase": None if hb is None else hb.phase,
+                "agent_version": batch.agent_version, "agent_counters": batch.agent_counters,
+            })
+            return
+        changes: dict[str, Any] = {"last_seen_at": now}
+        if incarnation >= current["incarnation"]:  # a late batch of an older incarnation changes no state
+            changes.update(identity)
+            if incarnation > current["incarnation"]:
+                changes["incarnation"] = incarnation
+                changes["last_step"] = batch_last
+            elif batch_last is not None and (current["last_step"] is None or batch_last > current["last_step"]):
+                changes["last_step"] = batch_last
+            if hb is not None:
+                hb_at = _from_unix(hb.ts)
+                previous = current["last_heartbeat_at"]
+                if previous is None or hb_at >= previous or incarnation > current["incarnation"]:
+                    changes["last_heartbeat_at"] = hb_at
+                    changes["phase"] = hb.phase
+            if batch.agent_version is not None:
+                changes["agent_version"] = batch.agent_version
+            if batch.agent_counters is not None:
+                changes["agent_counters"] = batch.agent_counters
+        conn.execute(update(Rank).where(Rank.run_id == run_id, Rank.rank == batch.rank).values(**changes))
+
+
+def _chunks(items: list[tuple[str, str]], size: int) -> Iterable[list[tuple[str, str]]]:
+    for i in range(0, len(items), size):
+        yield items[i:i + size]

@@ -1,0 +1,1 @@
+"""Runs: the read API over stored runs."""

@@ -1,0 +1,267 @@
+"""Read queries. Values come back as numpy columns; the routes shape them into JSON.
+
+Series return, for each (rank, step), the value of the latest incarnation: rows are read ordered
+by (series, rank, step, incarnation) along the primary key and the last row of each step wins.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from sqlalchemy import Connection, Row, Select, and_, func, select
+
+from stepwatch_server.errors import NotFound
+from stepwatch_server.storage.models import (
+    METRIC_STAT,
+    AgentSession,
+    Event,
+    Fingerprint,
+    Point,
+    Rank,
+    Run,
+    Series,
+    StepRecord,
+)
+
+STEP_TIME_METRIC = "time.step_ms"
+RECENT_STEPS = 64  # the median step time is taken over at most this many recent steps
+
+
+@dataclass(frozen=True, slots=True)
+class RankSeries:
+    series_id: int
+    rank: int
+    steps: np.ndarray
+    values: np.ndarray
+
+
+def _later(a: dt.datetime | None, b: dt.datetime | None) -> dt.datetime | None:
+    if a is None or b is None:
+        return a or b
+    return max(a, b)
+
+
+def find_run(conn: Connection, name: str) -> Row[Any]:
+    """The run's row (id, name, world_size, created_at, last_seen_at), or 404."""
+    row = conn.execute(select(*Run.__table__.c).where(Run.name == name)).first()
+    if row is None:
+        raise NotFound(f"run {name!r} not found; GET /api/v1/runs lists the runs", field="run")
+    return row
+
+
+def _rank_summary() -> Select[int, int, int | None, dt.datetime]:
+    return select(
+        Rank.run_id, func.count().label("ranks"), func.max(Rank.last_step).label("last_step"),
+        func.max(Rank.last_seen_at).label("last_seen_at"),
+    ).group_by(Rank.run_id)
+
+
+def run_summaries(conn: Connection, run_id: int | None = None) -> list[dict[str, Any]]:
+    summary = _rank_summary().subquery()
+    query = (
+        select(Run.name, Run.world_size, Run.created_at, Run.last_seen_at, summary.c.ranks,
+               summary.c.last_step, summary.c.last_seen_at.label("ranks_seen_at"))
+        .outerjoin(summary, summary.c.run_id == Run.id)
+        .order_by(Run.last_seen_at.desc(), Run.id.desc())
+    )
+    if run_id is not None:
+        query = query.where(Run.id == run_id)
+    out = []
+    for run in conn.execute(query):
+        out.append({
+            "name": run.name, "world_size": run.world_size, "created_at": run.created_at,
+            "last_seen_at": _later(run.last_seen_at, run.ranks_seen_at), "last_step": run.last_step,
+            "ranks": run.ranks or 0,
+        })
+    return out
+
+
+def series_names(conn: Connection, run_id: int) -> tuple[list[str], dict[str, list[str]]]:
+    metrics: list[str] = []
+    tensors: dict[str, list[str]] = {}
+    rows = conn.execute(select(Series.stat, Series.name).where(Series.run_id == run_id)
+                        .order_by(Series.stat, Series.name))
+    for stat, name in rows:
+        if stat == METRIC_STAT:
+            metrics.append(name)
+        else:
+            tensors.setdefault(stat, []).append(name)
+    return metrics, tensors
+
+
+def restarts(conn: Connection, run_id: int) -> list[dict[str, Any]]:
+    rows = conn.execute(
+        select(AgentSession.rank, AgentSession.incarnation, AgentSession.first_step, AgentSession.started_at)
+        .where(AgentSession.run_id == run_id, AgentSession.incarnation > 1)
+        .order_by(AgentSession.started_at, AgentSession.rank)
+    )
+    return [{"rank": r, "incarnation": i, "first_step": s, "at": at} for r, i, s, at in rows]
+
+
+def series_ids(conn: Connection, run_id: int, stat: str, name: str | None) -> dict[int, str]:
+    query = select(Series.id, Series.name).where(Series.run_id == run_id, Series.stat == stat)
+    if name is not None:
+        query = query.where(Series.name == name)
+    return {sid: n for sid, n in conn.execute(query.order_by(Series.name))}
+
+
+def read_points(conn: Connection, ids: list[int], rank: int | None, from_step: int | None,
+                to_step: int | None) -> list[RankSeries]:
+    """Each (series, rank)'s points in step order, latest incarnation per step."""
+    if not ids:
+        return []
+    query = select(Point.series_id, Point.rank, Point.step, Point.incarnation, Point.value).where(
+        Point.series_id.in_(ids)
+    )
+    if rank is not None:
+        query = query.where(Point.rank == rank)
+    if from_step is not None:
+        query = query.where(Point.step >= from_step)
+    if to_step is not None:
+        query = query.where(Point.step <= to_step)
+    query = query.order_by(Point.series_id, Point.rank, Point.step, Point.incarnation)
+    rows = conn.execute(query).all()
+    if not rows:
+        return []
+    sid_col, rank_col, step_col, _inc, value_col = zip(*rows, strict=True)
+    sid = np.array(sid_col, dtype=np.int64)
+    ranks = np.array(rank_col, dtype=np.int64)
+    steps = np.array(step_col, dtype=np.int64)
+    values = np.array(value_col, dtype=np.float64)  # NULL (SQLite's NaN) -> nan
+    return _split_latest(sid, ranks, steps, values)
+
+
+def _split_latest(sid: np.ndarray, ranks: np.ndarray, steps: np.ndarray,
+                  values: np.ndarray) -> list[RankSeries]:
+    same_key = (sid[1:] == sid[:-1]) & (ranks[1:] == ranks[:-1])
+    keep = np.ones(sid.shape[0], dtype=bool)
+    keep[:-1] = ~(same_key & (steps[1:] == steps[:-1]))  # the last incarnation of a step wins
+    sid, ranks, steps, values = sid[keep], ranks[keep], steps[keep], values[keep]
+    bounds = np.flatnonzero((sid[1:] != sid[:-1]) | (ranks[1:] != ranks[:-1])) + 1
+    starts = np.concatenate([[0], bounds])
+    ends = np.concatenate([bounds, [sid.shape[0]]])
+    return [
+        RankSeries(int(sid[a]), int(ranks[a]), steps[a:b], values[a:b])
+        for a, b in zip(starts.tolist(), ends.tolist(), strict=True)
+    ]
+
+
+def read_steps(conn: Connection, run_id: int, rank: int | None, from_step: int | None,
+               to_step: int | None) -> list[RankSeries]:
+    """Each rank's step end times (Unix seconds), latest incarnation per step."""
+    query = select(StepRecord.rank, StepRecord.step, StepRecord.incarnation, StepRecord.ts).where(
+        StepRecord.run_id == run_id
+    )
+    if rank is not None:
+        query = query.where(StepRecord.rank == rank)
+    if from_step is not None:
+        query = query.where(StepRecord.step >= from_step)
+    if to_step is not None:
+        query = query.where(StepRecord.step <= to_step)
+    rows = conn.execute(query.order_by(StepRecord.rank, StepRecord.step, StepRecord.incarnation)).all()
+    if not rows:
+        return []
+    rank_col, step_col, _inc, ts_col = zip(*rows, strict=True)
+    ranks = np.array(rank_col, dtype=np.int64)
+    return _split_latest(np.zeros_like(ranks), ranks, np.array(step_col, dtype=np.int64),
+                         np.array(ts_col, dtype=np.float64))
+
+
+def rank_states(conn: Connection, run_id: int) -> list[dict[str, Any]]:
+    ranks = conn.execute(select(*Rank.__table__.c).where(Rank.run_id == run_id).order_by(Rank.rank)).all()
+    medians = median_step_ms(conn, run_id)
+    return [
+        {
+            "rank": r.rank, "node": r.node, "local_rank": r.local_rank, "world_size": r.world_size,
+            "replica_group": r.replica_group, "shard": r.shard, "num_shards": r.num_shards,
+            "incarnation": r.incarnation, "last_step": r.last_step, "last_seen_at": r.last_seen_at,
+            "last_heartbeat_at": r.last_heartbeat_at, "phase": r.phase,
+            "median_step_ms": medians.get(r.rank),
+            "agent": {"version": r.agent_version, "counters": r.agent_counters or {}},
+        }
+        for r in ranks
+    ]
+
+
+def median_step_ms(conn: Connection, run_id: int) -> dict[int, float]:
+    """Per rank, the median of `time.step_ms` over its recent steps (current incarnation).
+
+    Falls back to the spacing of the step timestamps when the metric was not sent.
+    """
+    sid = conn.execute(select(Series.id).where(
+        Series.run_id == run_id, Series.stat == METRIC_STAT, Series.name == STEP_TIME_METRIC
+    )).scalar()
+    recent = and_(Rank.run_id == run_id, Rank.last_step.is_not(None))
+    by_rank: dict[int, list[float]] = {}
+    if sid is not None:
+        rows = conn.execute(
+            select(Point.rank, Point.value).join(Rank, and_(Rank.rank == Point.rank, recent))
+            .where(Point.series_id == sid, Point.incarnation == Rank.incarnation,
+                   Point.step > Rank.last_step - RECENT_STEPS)
+        )
+        for rank, value in rows:
+            if value is not None:
+                by_rank.setdefault(rank, []).append(value)
+    else:
+        step_rows = conn.execute(
+            select(StepRecord.rank, StepRecord.step, StepRecord.ts)
+            .join(Rank, and_(Rank.rank == StepRecord.rank, recent))
+            .where(StepRecord.run_id == run_id, StepRecord.incarnation == Rank.incarnation,
+                   StepRecord.step > Rank.last_step - RECENT_STEPS)
+            .order_by(StepRecord.rank, StepRecord.step)
+        )
+        previous: dict[int, tuple[int, float]] = {}
+        for rank, step, ts in step_rows:
+            before = previous.get(rank)
+            if before is not None and step == before[0] + 1:
+                by_rank.setdefault(rank, []).append((ts - before[1]) * 1000.0)
+            previous[rank] = (step, ts)
+    out = {}
+    for rank, values in by_rank.items():
+        arr = np.asarray(values, dtype=np.float64)
+        arr = arr[np.isfinite(arr)]
+        if arr.size:
+            out[rank] = float(np.median(arr))
+    return out
+
+
+def read_fingerprints(conn: Connection, run_id: int, from_step: int | None,
+                      to_step: int | None) -> list[dict[str, Any]]:
+    query = select(*Fingerprint.__table__.c).where(Fingerprint.run_id == run_id)
+    if from_step is not None:
+        query = query.where(Fingerprint.step >= from_step)
+    if to_step is not None:
+        query = query.where(Fingerprint.step <= to_step)
+    query = query.order_by(Fingerprint.rank, Fingerprint.step, Fingerprint.incarnation)
+    latest: dict[tuple[int, int], Row[Any]] = {}
+    for fp in conn.execute(query):
+        latest[(fp.rank, fp.step)] = fp  # ordered by incarnation: the last one wins
+    per_rank: dict[int, dict[str, Any]] = {}
+    for (rank, step), fp in latest.items():
+        entry = per_rank.setdefault(rank, {"rank": rank, "replica_group": fp.replica_group,
+                                           "shard": fp.shard, "steps": [], "values": []})
+        entry["steps"].append(step)
+        entry["values"].append(fp.value)
+    return list(per_rank.values())
+
+
+def read_events(conn: Connection, run_id: int, kind: str | None, rank: int | None, from_step: int | None,
+                to_step: int | None, limit: int) -> list[dict[str, Any]]:
+    query = select(*Event.__table__.c).where(Event.run_id == run_id)
+    if kind is not None:
+        query = query.where(Event.kind == kind)
+    if rank is not None:
+        query = query.where(Event.rank == rank)
+    if from_step is not None:
+        query = query.where(Event.step >= from_step)
+    if to_step is not None:
+        query = query.where(Event.step <= to_step)
+    query = query.order_by(Event.step, Event.ts, Event.rank, Event.id).limit(limit)
+    return [
+        {"rank": e.rank, "step": e.step, "incarnation": e.incarnation, "ts": e.ts, "kind": e.kind,
+         "data": e.data}
+        for e in conn.execute(query)
+    ]

@@ -1,0 +1,152 @@
+"""The read API: runs, ranks, series, tensor statistics, step times, fingerprints, events.
+
+Endpoints are sync functions, so FastAPI runs them (and their queries) in the thread pool. Run
+names may contain '/', so `{run:path}` is used and the sub-resources are declared first.
+Non-finite values are written as "NaN", "Infinity" and "-Infinity", as in the ingest format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated, Any
+
+import numpy as np
+from fastapi import APIRouter, Depends, Query, Request
+from sqlalchemy import Connection
+from starlette.responses import Response
+
+from stepwatch_server.errors import InvalidBatch, NotFound
+from stepwatch_server.ingest.schema import EVENT_KINDS
+from stepwatch_server.responses import float_list, json_response
+from stepwatch_server.runs import queries
+from stepwatch_server.runs.downsample import DEFAULT_MAX_POINTS, MAX_POINTS_CAP, downsample, mean_over_ranks
+from stepwatch_server.storage.models import METRIC_STAT
+
+router = APIRouter(prefix="/api/v1", tags=["runs"])
+
+MAX_EVENTS = 10_000
+
+
+def connection(request: Request) -> Iterator[Connection]:
+    with request.app.state.engine.connect() as conn:
+        yield conn
+
+
+Conn = Annotated[Connection, Depends(connection)]
+FromStep = Annotated[int | None, Query(ge=0, description="first step (inclusive)")]
+ToStep = Annotated[int | None, Query(ge=0, description="last step (inclusive)")]
+MaxPoints = Annotated[int, Query(ge=2, le=MAX_POINTS_CAP, description="per series; min-max downsampling")]
+RankParam = Annotated[str, Query(description="a rank number, `all` (each rank), or `mean` (over ranks per step)")]
+
+
+def _rank_filter(rank: str, allow_mean: bool = True) -> tuple[int | None, bool]:
+    """(rank to filter on or None for all, whether to average over ranks)."""
+    if rank == "all":
+        return None, False
+    if rank == "mean" and allow_mean:
+        return None, True
+    if rank.isdigit():
+        return int(rank), False
+    choices = "a rank number, 'all' or 'mean'" if allow_mean else "a rank number or 'all'"
+    raise InvalidBatch(f"rank: expected {choices}, got {rank!r}", field="rank", code="invalid_parameter")
+
+
+def _shape(series: list[queries.RankSeries], mean: bool, max_points: int,
+           names: dict[int, str] | None = None) -> list[dict[str, Any]]:
+    if mean:
+        steps, values = mean_over_ranks([s.steps for s in series], [s.values for s in series])
+        steps, values = downsample(steps, values, max_points)
+        return [{"rank": "mean", "steps": steps, "values": float_list(values)}]
+    out = []
+    for s in series:
+        steps, values = downsample(s.steps, s.values, max_points)
+        entry: dict[str, Any] = {"rank": s.rank, "steps": steps, "values": float_list(values)}
+        if names is not None:
+            entry = {"name": names[s.series_id], **entry}
+        out.append(entry)
+    return out
+
+
+@router.get("/runs", summary="All runs, most recently seen first")
+def list_runs(conn: Conn) -> Response:
+    return json_response({"runs": queries.run_summaries(conn)})
+
+
+@router.get("/runs/{run:path}/ranks", summary="Per-rank state: node, progress, heartbeat, step time")
+def list_ranks(run: str, conn: Conn) -> Response:
+    found = queries.find_run(conn, run)
+    return json_response({"run": found.name, "world_size": found.world_size,
+                          "ranks": queries.rank_states(conn, found.id)})
+
+
+@router.get("/runs/{run:path}/series", summary="A metric per rank (downsampled, extremes kept)")
+def get_series(
+    run: str, conn: Conn,
+    metric: Annotated[str, Query(min_length=1, max_length=200, description="metric name, e.g. loss")],
+    rank: RankParam = "all", from_step: FromStep = None, to_step: ToStep = None,
+    max_points: MaxPoints = DEFAULT_MAX_POINTS,
+) -> Response:
+    found = queries.find_run(conn, run)
+    rank_id, mean = _rank_filter(rank)
+    ids = queries.series_ids(conn, found.id, METRIC_STAT, metric)
+    if not ids:
+        available, _ = queries.series_names(conn, found.id)
+        shown = ", ".join(available[:30]) or "none yet"
+        raise NotFound(f"metric {metric!r} not found in run {run!r}; available: {shown}", field="metric")
+    series = queries.read_points(conn, list(ids), rank_id, from_step, to_step)
+    return json_response({"metric": metric, "series": _shape(series, mean, max_points)})
+
+
+@router.get("/runs/{run:path}/tensors", summary="Per-module statistics (amax, grad_norm) per rank")
+def get_tensors(
+    run: str, conn: Conn,
+    stat: Annotated[str, Query(min_length=1, max_length=64, description="amax or grad_norm")] = "amax",
+    name: Annotated[str | None, Query(max_length=200, description="module/parameter; omitted: all")] = None,
+    rank: RankParam = "all", from_step: FromStep = None, to_step: ToStep = None,
+    max_points: MaxPoints = DEFAULT_MAX_POINTS,
+) -> Response:
+    found = queries.find_run(conn, run)
+    rank_id, mean = _rank_filter(rank, allow_mean=False)
+    ids = queries.series_ids(conn, found.id, stat, name)
+    if name is not None and not ids:
+        raise NotFound(f"no {stat!r} statistics for {name!r} in run {run!r}", field="name")
+    series = queries.read_points(conn, list(ids), rank_id, from_step, to_step)
+    return json_response({"stat": stat, "series": _shape(series, mean, max_points, names=ids)})
+
+
+@router.get("/runs/{run:path}/steps", summary="When each rank finished each step (Unix seconds)")
+def get_steps(run: str, conn: Conn, rank: RankParam = "all", from_step: FromStep = None,
+              to_step: ToStep = None, max_points: MaxPoints = DEFAULT_MAX_POINTS) -> Response:
+    found = queries.find_run(conn, run)
+    rank_id, _ = _rank_filter(rank, allow_mean=False)
+    out = []
+    for s in queries.read_steps(conn, found.id, rank_id, from_step, to_step):
+        keep = np.unique(np.linspace(0, s.steps.shape[0] - 1, min(max_points, s.steps.shape[0])).astype(np.int64))
+        out.append({"rank": s.rank, "steps": s.steps[keep], "timestamps": s.values[keep]})
+    return json_response({"series": out})
+
+
+@router.get("/runs/{run:path}/fingerprints", summary="Parameter fingerprints per rank")
+def get_fingerprints(run: str, conn: Conn, from_step: FromStep = None, to_step: ToStep = None) -> Response:
+    found = queries.find_run(conn, run)
+    return json_response({"series": queries.read_fingerprints(conn, found.id, from_step, to_step)})
+
+
+@router.get("/runs/{run:path}/events", summary="Events (nonfinite, phase_start, phase_end, note)")
+def get_events(
+    run: str, conn: Conn,
+    kind: Annotated[str | None, Query(description=", ".join(sorted(EVENT_KINDS)))] = None,
+    rank: Annotated[int | None, Query(ge=0)] = None, from_step: FromStep = None, to_step: ToStep = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_EVENTS)] = 1000,
+) -> Response:
+    found = queries.find_run(conn, run)
+    return json_response({"events": queries.read_events(conn, found.id, kind, rank, from_step, to_step, limit)})
+
+
+@router.get("/runs/{run:path}", summary="One run: summary, metric and tensor names, restarts")
+def get_run(run: str, conn: Conn) -> Response:
+    found = queries.find_run(conn, run)
+    summary = queries.run_summaries(conn, found.id)[0]
+    metrics, tensors = queries.series_names(conn, found.id)
+    return json_response({**summary, "metrics": metrics, "tensors": tensors,
+                          "restarts": queries.restarts(conn, found.id)})

@@ -1,0 +1,205 @@
+"""The schema, as typed SQLAlchemy 2 models. Alembic (migrations/) is the only way it changes.
+
+Volume drives the shape: a 512-rank run at one step per second sends ~15,000 scalars per second, so
+a value is one narrow row in `points` keyed by a small integer `series_id` (a per-run dictionary of
+metric and tensor-statistic names in `series`), and a step's timestamp is stored once per step in
+`steps`, not once per value. Per-step times are Unix seconds (double precision) because they are
+event times copied from the batch and are compared and subtracted, never displayed as such;
+bookkeeping times are timezone-aware UTC datetimes.
+
+NaN: PostgreSQL stores it; SQLite turns a bound NaN into NULL, so a NULL `points.value` means NaN.
+A value that was not measured at a step (null in the batch) is simply not stored.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Dialect,
+    Double,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    UniqueConstraint,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+METRIC_STAT = ""  # `series.stat` of a per-step metric; tensor statistics use their stat name ("amax", ...)
+
+
+class UtcDateTime(TypeDecorator[dt.datetime]):
+    """A timezone-aware UTC datetime on every backend (SQLite keeps no zone, so it is put back)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: dt.datetime | None, dialect: Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        value = value.astimezone(dt.UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: dt.datetime | None, dialect: Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value.astimezone(dt.UTC)
+
+
+JsonType = JSON().with_variant(JSONB(), "postgresql")
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map: ClassVar[dict[Any, Any]] = {dt.datetime: UtcDateTime(), dict[str, Any]: JsonType}
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    world_size: Mapped[int]
+    created_at: Mapped[dt.datetime]
+    last_seen_at: Mapped[dt.datetime]
+
+
+class Rank(Base):
+    """The latest known state of one rank of a run (identity, progress, heartbeat, agent counters)."""
+
+    __tablename__ = "ranks"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    node: Mapped[str | None] = mapped_column(String(200))
+    local_rank: Mapped[int | None]
+    world_size: Mapped[int]
+    replica_group: Mapped[int]
+    shard: Mapped[int]
+    num_shards: Mapped[int]
+    incarnation: Mapped[int]
+    last_step: Mapped[int | None] = mapped_column(BigInteger)
+    last_seen_at: Mapped[dt.datetime]
+    last_heartbeat_at: Mapped[dt.datetime | None]
+    phase: Mapped[str | None] = mapped_column(String(200))
+    agent_version: Mapped[str | None] = mapped_column(String(64))
+    agent_counters: Mapped[dict[str, Any] | None]
+
+
+class AgentSession(Base):
+    """One agent session (process lifetime) of one rank: its incarnation of the steps it sends."""
+
+    __tablename__ = "sessions"
+    __table_args__ = (UniqueConstraint("run_id", "rank", "incarnation"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    rank: Mapped[int]
+    incarnation: Mapped[int]
+    first_step: Mapped[int | None] = mapped_column(BigInteger)
+    started_at: Mapped[dt.datetime]
+
+
+class IngestedBatch(Base):
+    """The idempotency record: `(session, seq)` of every stored batch, written with its rows."""
+
+    __tablename__ = "batches"
+
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    received_at: Mapped[dt.datetime]
+    rows: Mapped[int]
+
+
+class Series(Base):
+    """Per-run dictionary of value names: a metric (stat '') or a tensor statistic of a module."""
+
+    __tablename__ = "series"
+    __table_args__ = (UniqueConstraint("run_id", "stat", "name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    stat: Mapped[str] = mapped_column(String(64))
+    name: Mapped[str] = mapped_column(String(200))
+
+
+class Point(Base):
+    """One value: the bulk of the database. NULL value = NaN (see the module docstring)."""
+
+    __tablename__ = "points"
+    __table_args__ = ({"sqlite_with_rowid": False},)
+
+    series_id: Mapped[int] = mapped_column(
+        ForeignKey("series.id", ondelete="CASCADE"), primary_key=True, autoincrement=False
+    )
+    rank: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    incarnation: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    value: Mapped[float | None] = mapped_column(Double)
+
+
+class StepRecord(Base):
+    """When a rank finished a step (event time, Unix seconds), once per step and incarnation."""
+
+    __tablename__ = "steps"
+    __table_args__ = ({"sqlite_with_rowid": False},)
+
+    run_id: Mapped[int] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True, autoincrement=False
+    )
+    rank: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    incarnation: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    ts: Mapped[float] = mapped_column(Double)
+
+
+class Fingerprint(Base):
+    """A parameter fingerprint; replicas holding the same shard must agree on it."""
+
+    __tablename__ = "fingerprints"
+    __table_args__ = ({"sqlite_with_rowid": False},)
+
+    run_id: Mapped[int] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True, autoincrement=False
+    )
+    rank: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    incarnation: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    replica_group: Mapped[int]
+    shard: Mapped[int]
+    value: Mapped[str] = mapped_column(String(16))
+
+
+class Event(Base):
+    __tablename__ = "events"
+    __table_args__ = (Index("ix_events_run_id_kind_step", "run_id", "kind", "step"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    rank: Mapped[int]
+    step: Mapped[int] = mapped_column(BigInteger)
+    incarnation: Mapped[int]
+    ts: Mapped[float] = mapped_column(Double)
+    kind: Mapped[str] = mapped_column(String(32))
+    data: Mapped[dict[str, Any]]
+
+
+ALL_TABLES = tuple(Base.metadata.sorted_tables)
