@@ -1,0 +1,204 @@
+"""Ingest end to end on both backends: storage, read-back, idempotency, incarnations, auth."""
+
+from __future__ import annotations
+
+import gzip
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from stepwatch_server.ingest.example import EXAMPLE_BATCH
+from tests.service.conftest import Collector, make_batch, steps_batch
+
+
+def _series(c: Collector, run: str, metric: str, **params: Any) -> dict[int, tuple[list[int], list[Any]]]:
+    body = c.get(f"/api/v1/runs/{run}/series", metric=metric, **params)
+    assert body["metric"] == metric
+    return {s["rank"]: (s["steps"], s["values"]) for s in body["series"]}
+
+
+def test_valid_batch_is_stored_and_every_value_comes_back(collector: Collector) -> None:
+    batch = make_batch()
+    response = collector.post(batch)
+    assert response.status_code == 200, response.text
+    # 14 scalars (lr's null is not stored) + 6 tensor stats + 1 fingerprint + 3 events
+    assert response.json() == {"accepted": True, "rows": 24, "duplicates": 0, "incarnation": 1}
+    run, rank = batch["run"], batch["rank"]
+
+    for metric, values in batch["metrics"].items():
+        got = _series(collector, run, metric)
+        present = [(s, v) for s, v in zip(batch["steps"], values, strict=True) if v is not None]
+        assert got == {rank: ([s for s, _ in present], [v for _, v in present])}
+
+    tensors = collector.get(f"/api/v1/runs/{run}/tensors", stat="amax")
+    assert tensors["stat"] == "amax"
+    assert {(s["name"], s["rank"]): (s["steps"], s["values"]) for s in tensors["series"]} == {
+        ("layers.0.mlp.fc1", 3): ([1, 3], [12.5, "NaN"]),
+        ("layers.0.mlp.fc2", 3): ([1, 3], [3.1, 3.4]),
+    }
+    one = collector.get(f"/api/v1/runs/{run}/tensors", stat="grad_norm", name="layers.0.mlp.fc1.weight", rank="3")
+    assert one["series"] == [{"name": "layers.0.mlp.fc1.weight", "rank": 3, "steps": [1, 3],
+                              "values": [0.42, "Infinity"]}]
+
+    steps = collector.get(f"/api/v1/runs/{run}/steps")
+    assert steps["series"] == [{"rank": 3, "steps": [1, 2, 3], "timestamps": batch["timestamps"]}]
+    fps = collector.get(f"/api/v1/runs/{run}/fingerprints")
+    assert fps["series"] == [{"rank": 3, "replica_group": 3, "shard": 0, "steps": [3],
+                              "values": ["9c1f00d2aa13e4b7"]}]
+    events = collector.get(f"/api/v1/runs/{run}/events")["events"]
+    assert [(e["step"], e["ts"], e["kind"], e["data"]) for e in events] == [
+        (e["step"], e["ts"], e["kind"], e["data"]) for e in batch["events"]
+    ]
+    assert [e["kind"] for e in collector.get(f"/api/v1/runs/{run}/events", kind="phase_end")["events"]] == ["phase_end"]
+
+    detail = collector.get(f"/api/v1/runs/{run}")
+    assert detail["name"] == run and detail["world_size"] == 8 and detail["last_step"] == 3
+    assert detail["ranks"] == 1 and detail["restarts"] == []
+    assert detail["metrics"] == sorted(batch["metrics"])
+    assert detail["tensors"] == {"amax": ["layers.0.mlp.fc1", "layers.0.mlp.fc2"],
+                                 "grad_norm": ["layers.0.mlp.fc1.weight"]}
+    runs = collector.get("/api/v1/runs")["runs"]
+    assert [(r["name"], r["ranks"], r["last_step"]) for r in runs] == [(run, 1, 3)]
+
+    ranks = collector.get(f"/api/v1/runs/{run}/ranks")
+    assert ranks["world_size"] == 8
+    (state,) = ranks["ranks"]
+    assert state["rank"] == 3 and state["node"] == "gpu-12" and state["local_rank"] == 3
+    assert state["last_step"] == 3 and state["phase"] == "data" and state["incarnation"] == 1
+    assert state["median_step_ms"] == pytest.approx(110.2)
+    assert state["last_heartbeat_at"].startswith("2025-11-29T14:41:01")
+    assert state["agent"] == {"version": "0.1.0", "counters": {"dropped_buffer_full": 0, "spooled_batches": 0}}
+
+
+def test_gzip_body_is_accepted(collector: Collector) -> None:
+    batch = make_batch()
+    import orjson
+
+    response = collector.post(gzip.compress(orjson.dumps(batch)),
+                              headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+    assert response.status_code == 200, response.text
+    assert response.json()["rows"] == 24
+
+
+def test_same_batch_twice_is_stored_once(collector: Collector) -> None:
+    batch = make_batch()
+    first = collector.post(batch).json()
+    after_first = collector.counts()
+    second = collector.post(batch)
+    assert second.status_code == 200
+    assert second.json() == {"accepted": True, "rows": 0, "duplicates": first["rows"], "incarnation": 1}
+    assert collector.counts() == after_first
+    assert after_first["batches"] == 1 and after_first["points"] == 20
+
+
+def test_resumed_run_is_a_new_incarnation_and_latest_values_win(collector: Collector) -> None:
+    run = f"resume-{uuid.uuid4().hex[:6]}"
+    first, second = uuid.uuid4().hex, uuid.uuid4().hex
+    steps_a = list(range(0, 151))
+    r = collector.post(steps_batch(run, first, 0, steps_a, loss=[float(s) for s in steps_a]))
+    assert r.json()["incarnation"] == 1
+    steps_b = list(range(100, 201))
+    r = collector.post(steps_batch(run, second, 0, steps_b, loss=[-float(s) for s in steps_b]))
+    assert r.status_code == 200 and r.json()["incarnation"] == 2 and r.json()["duplicates"] == 0
+
+    steps, values = _series(collector, run, "loss", max_points=20000)[0]
+    assert steps == list(range(0, 201))
+    assert values == [float(s) for s in range(100)] + [-float(s) for s in range(100, 201)]
+    (restart,) = collector.get(f"/api/v1/runs/{run}")["restarts"]
+    assert restart["rank"] == 0 and restart["incarnation"] == 2 and restart["first_step"] == 100
+    assert restart["at"]
+    (state,) = collector.get(f"/api/v1/runs/{run}/ranks")["ranks"]
+    assert state["incarnation"] == 2 and state["last_step"] == 200
+    # a late batch of the old session still lands in incarnation 1 and does not win
+    r = collector.post(steps_batch(run, first, 1, [120], loss=[999.0]))
+    assert r.json()["incarnation"] == 1
+    steps, values = _series(collector, run, "loss", from_step=120, to_step=120)[0]
+    assert (steps, values) == ([120], [-120.0])
+
+
+def test_session_id_of_another_rank_is_rejected(collector: Collector) -> None:
+    session = uuid.uuid4().hex
+    assert collector.post(steps_batch("r", session, 0, [1], rank=0, world_size=2, loss=[1.0])).status_code == 200
+    before = collector.counts()
+    r = collector.post(steps_batch("r", session, 1, [1], rank=1, world_size=2, loss=[1.0]))
+    assert r.status_code == 422 and r.json()["error"]["field"] == "session"
+    assert collector.counts() == before
+
+
+def test_nonfinite_values_round_trip(collector: Collector) -> None:
+    run = "nonfinite"
+    values = [1.5, "NaN", "Infinity", "-Infinity", None, -0.0, 1e308, 5e-324]
+    steps = list(range(len(values)))
+    assert collector.post(steps_batch(run, uuid.uuid4().hex, 0, steps, x=values)).status_code == 200
+    got_steps, got = _series(collector, run, "x")[0]
+    assert got_steps == [0, 1, 2, 3, 5, 6, 7]
+    assert got[:4] == [1.5, "NaN", "Infinity", "-Infinity"]
+    assert got[4] == 0.0 and got[5] == 1e308 and got[6] == 5e-324  # SQLite keeps no sign on zero
+
+
+def test_token_required_when_set(start_collector: Callable[..., Collector]) -> None:
+    collector = start_collector(token="s3cret")
+    batch = make_batch()
+    assert collector.post(batch).status_code == 401
+    wrong = collector.post(batch, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "unauthorized"
+    assert collector.counts()["points"] == 0
+    ok = collector.post(batch, headers={"Authorization": "Bearer s3cret"})
+    assert ok.status_code == 200 and ok.json()["rows"] == 24
+
+
+def test_heartbeat_only_batch_updates_rank(collector: Collector) -> None:
+    batch = steps_batch("hb", uuid.uuid4().hex, 0, [])
+    batch["heartbeat"] = {"ts": 1_764_427_300.0, "phase": "eval", "last_step": 41}
+    r = collector.post(batch)
+    assert r.status_code == 200 and r.json()["rows"] == 0
+    (state,) = collector.get("/api/v1/runs/hb/ranks")["ranks"]
+    assert state["phase"] == "eval" and state["last_step"] == 41
+
+
+def test_mean_over_ranks_and_spike_survives_downsampling(collector: Collector) -> None:
+    run = "spiky"
+    steps = list(range(10_000))
+    for rank in range(2):
+        loss = [1.0 + rank] * len(steps)
+        if rank == 1:
+            loss[7_777] = 500.0
+        r = collector.post(steps_batch(run, uuid.uuid4().hex, 0, steps, rank=rank, world_size=2, loss=loss))
+        assert r.status_code == 200, r.text
+    series = _series(collector, run, "loss", max_points=200)
+    assert set(series) == {0, 1}
+    steps_1, values_1 = series[1]
+    assert len(steps_1) <= 200 and 500.0 in values_1 and 7_777 in steps_1
+    assert steps_1 == sorted(steps_1)
+    mean = collector.get(f"/api/v1/runs/{run}/series", metric="loss", rank="mean", max_points=200)["series"]
+    assert mean[0]["rank"] == "mean" and 250.5 in mean[0]["values"] and 1.5 in mean[0]["values"]
+    one = _series(collector, run, "loss", rank=0, max_points=100)
+    assert list(one) == [0] and len(one[0][0]) <= 100
+
+
+def test_read_api_errors(collector: Collector) -> None:
+    r = collector.http.get("/api/v1/runs/nope")
+    assert r.status_code == 404 and "nope" in r.json()["error"]["message"]
+    assert collector.http.get("/api/v1/runs/nope/series", params={"metric": "loss"}).status_code == 404
+    collector.post(make_batch())
+    run = EXAMPLE_BATCH["run"]
+    r = collector.http.get(f"/api/v1/runs/{run}/series", params={"metric": "nope"})
+    assert r.status_code == 404 and "available: grad_norm, loss" in r.json()["error"]["message"]
+    r = collector.http.get(f"/api/v1/runs/{run}/series", params={"metric": "loss", "rank": "x"})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "rank"
+    r = collector.http.get(f"/api/v1/runs/{run}/series", params={"metric": "loss", "max_points": 10**6})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "max_points"
+
+
+def test_run_names_with_slashes(collector: Collector) -> None:
+    run = "team/llama@v2"
+    assert collector.post(steps_batch(run, uuid.uuid4().hex, 0, [1, 2], loss=[1.0, 2.0])).status_code == 200
+    assert collector.get(f"/api/v1/runs/{run}")["name"] == run
+    assert _series(collector, run, "loss")[0] == ([1, 2], [1.0, 2.0])
+
+
+def test_healthz(collector: Collector) -> None:
+    body = collector.get("/healthz")
+    assert body["status"] == "ok" and body["database"] in {"sqlite", "postgresql"}
