@@ -1,0 +1,188 @@
+"""Host side: decode transferred chunks into rows and build ingest batches (docs/ingest.md, schema 1)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ._records import Chunk, StepRecord
+
+SCHEMA = 1
+MAX_TENSOR_NAMES = 256  # per-parameter grad norms shipped per batch: the largest ones
+GZIP_LEVEL = 5
+MASK64 = 2**64 - 1
+_PAGE_MB = os.sysconf("SC_PAGE_SIZE") / 2**20 if hasattr(os, "sysconf") else 4096 / 2**20
+
+Value = float | str | None
+
+
+def num(v: float | None) -> Value:
+    """A JSON value for a float: non-finite ones as the strings the ingest format names."""
+    if v is None or math.isfinite(v):
+        return v
+    return "NaN" if v != v else ("Infinity" if v > 0 else "-Infinity")
+
+
+def mix64(x: int) -> int:
+    """splitmix64's finaliser: spreads the device checksum over all 64 bits (deterministic, on the host)."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & MASK64
+    return x ^ (x >> 31)
+
+
+def rss_mb() -> float | None:
+    """Resident memory of this process (sender thread only: it reads a file)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE_MB
+    except (OSError, ValueError, IndexError):
+        try:
+            import resource
+
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux; peak elsewhere
+        except Exception:
+            return None
+
+
+@dataclass(slots=True)
+class Row:
+    step: int
+    ts: float
+    metrics: dict[str, float | None]
+    amax: dict[str, float | None] | None = None
+    grads: dict[str, float] | None = None
+    fingerprint: str | None = None
+
+
+def _cuda_times(rec: StepRecord, m: dict[str, float | None]) -> None:
+    prev_end, forwards, opt_start, end = rec.marks  # type: ignore[misc]
+    m["time.step_ms"] = prev_end.elapsed_time(end)
+    m["time.forward_ms"] = sum(s.elapsed_time(e) for s, e in forwards) if forwards else None
+    m["time.backward_ms"] = forwards[-1][1].elapsed_time(opt_start) if forwards and opt_start else None
+    m["time.optimizer_ms"] = opt_start.elapsed_time(end) if opt_start is not None else None
+
+
+def _nonfinite(v: float | None) -> int | None:
+    return None if v is None else int(not math.isfinite(v))
+
+
+class Decoder:
+    """Chunks -> rows. Derives the non-finite flags from the device-side reductions and emits a
+    `nonfinite` event on the first non-finite step (again after the values were finite once more)."""
+
+    def __init__(self) -> None:
+        self._in_nonfinite = False
+
+    def decode(self, chunk: Chunk) -> tuple[list[Row], list[dict[str, Any]]]:
+        values: list[float] = chunk.values.tolist() if chunk.values is not None else []
+        rows, events = [], []
+        for i, rec in enumerate(chunk.records):
+            seg = values[rec.offset : rec.offset + rec.length]
+            m = dict(rec.host)
+            if rec.marks is not None:
+                _cuda_times(rec, m)
+            k = 0
+            for name in rec.hook_names:
+                m[name] = seg[k]
+                k += 1
+            if rec.loss_div > 1 and m.get("loss") is not None:
+                m["loss"] = m["loss"] / rec.loss_div  # type: ignore[operator]
+            gn = m.get("grad_norm")
+            if gn is not None:
+                m["grad_sumsq"] = gn * gn  # this rank's (shard's) own norm, before any override
+            for name in rec.log_names:
+                m[name] = seg[k]
+                k += 1
+            amax = seg[k : k + len(rec.amax_names)]
+            k += len(amax)
+            grads = seg[k : k + len(rec.grad_names)]
+            k += len(grads)
+            row = Row(rec.step, rec.ts, m)
+            if rec.fingerprint:
+                w = [int(x) for x in seg[k : k + 4]]
+                row.fingerprint = f"{mix64(w[0] | w[1] << 16 | w[2] << 32 | w[3] << 48):016x}"
+            bad = [j for j, a in enumerate(amax) if not math.isfinite(a)]
+            flags = {
+                "activations": int(bool(bad)) if amax else None,
+                "loss": _nonfinite(m.get("loss")),
+                "grads": _nonfinite(m.get("grad_norm")),
+            }
+            for where, flag in flags.items():
+                m[f"nonfinite.{where}"] = flag
+            where_bad = [w for w, f in flags.items() if f]
+            if rec.ship_amax or bad:
+                row.amax = {
+                    n: (a if a >= 0 or a != a else None) for n, a in zip(rec.amax_names, amax, strict=True)
+                }
+            if rec.grad_names:
+                row.grads = dict(zip(rec.grad_names, grads, strict=True))
+            if where_bad and not self._in_nonfinite:
+                module = rec.amax_names[bad[0]] if bad else None
+                events.append(
+                    {
+                        "step": rec.step,
+                        "ts": rec.ts,
+                        "kind": "nonfinite",
+                        "data": {"module": module, "where": where_bad},
+                    }
+                )
+            self._in_nonfinite = bool(where_bad)
+            if i == len(chunk.records) - 1:
+                m["mem.rss_mb"] = rss_mb()
+            rows.append(row)
+        return rows, events
+
+
+def _top_names(rows: list[Row]) -> list[str]:
+    best: dict[str, float] = {}
+    for row in rows:
+        for name, v in (row.grads or {}).items():
+            score = math.inf if not math.isfinite(v) else v
+            if score > best.get(name, -1.0):
+                best[name] = score
+    return sorted(best, key=lambda n: -best[n])[:MAX_TENSOR_NAMES]
+
+
+def build(
+    head: dict[str, Any],
+    rows: list[Row],
+    events: list[dict[str, Any]],
+    heartbeat: dict[str, Any],
+) -> dict[str, Any]:
+    """A schema-1 batch: `head` holds schema, identity, session, seq and agent."""
+    batch = dict(head)
+    batch["steps"] = [r.step for r in rows]
+    batch["timestamps"] = [r.ts for r in rows]
+    names: dict[str, None] = {}
+    for r in rows:
+        names.update(dict.fromkeys(r.metrics))
+    batch["metrics"] = {n: [num(r.metrics.get(n)) for r in rows] for n in names}
+    sampled = [r for r in rows if r.amax is not None or r.grads is not None]
+    if sampled:
+        stats: dict[str, dict[str, list[Value]]] = {}
+        amax_names: dict[str, None] = {}
+        for r in sampled:
+            amax_names.update(dict.fromkeys(r.amax or ()))
+        if amax_names:
+            stats["amax"] = {n: [num((r.amax or {}).get(n)) for r in sampled] for n in amax_names}
+        grad_names = _top_names(sampled)
+        if grad_names:
+            stats["grad_norm"] = {n: [num((r.grads or {}).get(n)) for r in sampled] for n in grad_names}
+        batch["tensors"] = {"steps": [r.step for r in sampled], "stats": stats}
+    fps = [r for r in rows if r.fingerprint is not None]
+    if fps:
+        batch["fingerprints"] = {"steps": [r.step for r in fps], "values": [r.fingerprint for r in fps]}
+    if events:
+        batch["events"] = events
+    batch["heartbeat"] = heartbeat
+    return batch
+
+
+def encode(batch: dict[str, Any]) -> bytes:
+    """gzip-compressed JSON; allow_nan=False because non-finite values were written as strings."""
+    text = json.dumps(batch, allow_nan=False, separators=(",", ":"))
+    return gzip.compress(text.encode("utf-8"), compresslevel=GZIP_LEVEL)

@@ -1,0 +1,253 @@
+"""The sender thread: decodes host copies, builds batches, sends them, spools and replays, heartbeats."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import random
+import threading
+import time
+import uuid
+from typing import Any
+
+from . import _batch
+from ._config import Config
+from ._guard import Counters, Guard
+from ._identity import Identity
+from ._records import Chunk, Live
+from ._spool import Spool
+from ._transport import Outcome, Result, Transport, backoff_s
+
+logger = logging.getLogger("stepwatch")
+
+MAX_BUFFERED_STEPS = 20_000  # steps waiting on the host to be sent; beyond, the oldest are dropped
+MAX_STEPS_PER_BATCH = 1_000
+WAKE_STEPS = 256  # wake the sender early once this many steps wait
+MAX_PENDING_EVENTS = 1_000
+BATCH_DEADLINE_FACTOR = 3  # a data batch is retried for up to this many request timeouts, then spooled
+JITTER = 0.2  # +-20% on every interval, so that a thousand ranks do not send in lock-step
+
+
+def _jittered(interval_s: float) -> float:
+    return interval_s * random.uniform(1 - JITTER, 1 + JITTER)
+
+
+class Sender:
+    def __init__(
+        self,
+        config: Config,
+        identity: Identity,
+        counters: Counters,
+        guard: Guard,
+        live: Live,
+        spool: Spool,
+        version: str,
+    ) -> None:
+        self.config, self.counters, self.guard, self.live, self.spool = config, counters, guard, live, spool
+        self.session = uuid.uuid4().hex
+        self._started_ns = time.time_ns()
+        self._seq = 0
+        self._head = {"schema": _batch.SCHEMA, **identity.fields(), "session": self.session}
+        self._version = version
+        self._lock = threading.Lock()
+        self._chunks: collections.deque[Chunk] = collections.deque()
+        self._queued_steps = 0
+        self._events: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_PENDING_EVENTS)
+        self._rows: list[_batch.Row] = []  # sender thread only
+        self._decoder = _batch.Decoder()
+        self._wake = threading.Event()
+        self._stop = threading.Event()  # set by close(): ends every backoff sleep
+        self._transport = Transport(config.ingest_url, config.token, config.timeout_s, self._stop, counters)
+        self._close_deadline = 0.0
+        self._thread: threading.Thread | None = None
+        now = time.monotonic()
+        self._next_flush = now + _jittered(config.flush_interval_s)
+        self._next_heartbeat = now  # the first heartbeat announces the rank at once
+        self._next_replay = now
+        self._replay_attempt = 0
+        self._rejections_logged = False
+        self.left_steps = 0
+
+    # -- training thread ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="stepwatch-sender", daemon=True)
+        self._thread.start()
+
+    def submit(self, chunk: Chunk) -> None:
+        with self._lock:
+            self._chunks.append(chunk)
+            self._queued_steps += len(chunk.records)
+            while self._queued_steps > MAX_BUFFERED_STEPS and len(self._chunks) > 1:
+                dropped = self._chunks.popleft()
+                self._queued_steps -= len(dropped.records)
+                self.counters.add("dropped_buffer_full", len(dropped.records))
+            wake = self._queued_steps >= WAKE_STEPS
+        if wake:
+            self._wake.set()
+
+    def add_event(self, kind: str, data: dict[str, Any]) -> None:
+        self._events.append({"step": self.live.last_step or 0, "ts": time.time(), "kind": kind, "data": data})
+
+    def close(self, timeout_s: float) -> None:
+        """Send what is queued within `timeout_s`, spool the rest; the thread ends."""
+        self._close_deadline = time.monotonic() + timeout_s
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s + 0.5)
+            if self._thread.is_alive():
+                with self._lock:
+                    self.left_steps += self._queued_steps + len(self._rows)
+
+    # -- sender thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            wait = min(self._next_flush, self._next_heartbeat) - time.monotonic()
+            if len(self.spool):
+                wait = min(wait, self._next_replay - time.monotonic())
+            self._wake.wait(max(0.0, wait))
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            try:
+                self._cycle()
+            except Exception as exc:  # never let the thread die; the next cycle tries again
+                self.guard.fail("sender", exc, disable=False)
+        try:
+            self._final_cycle()
+        except Exception as exc:
+            self.guard.fail("sender", exc, disable=False)
+
+    def _take_ready(self, wait_until: float | None = None) -> None:
+        """Decode the chunks whose device copy completed, in order."""
+        while True:
+            with self._lock:
+                chunk = self._chunks[0] if self._chunks else None
+            if chunk is None:
+                return
+            while not chunk.is_ready():
+                if wait_until is None or time.monotonic() >= wait_until:
+                    return
+                time.sleep(0.001)  # close(): poll the event rather than block on a GPU that may hang
+            with self._lock:
+                self._chunks.popleft()
+                self._queued_steps -= len(chunk.records)
+            rows, events = self._decoder.decode(chunk)
+            self._rows.extend(rows)
+            self._events.extend(events)
+
+    def _cycle(self) -> None:
+        now = time.monotonic()
+        self._take_ready()
+        if len(self.spool) and now >= self._next_replay:
+            self._replay(deadline=None)
+        if now >= self._next_flush or len(self._rows) >= WAKE_STEPS:
+            self.live.transfer_requested = True  # the training thread copies its device values next step
+            self._next_flush = now + _jittered(self.config.flush_interval_s)
+            if self._rows or self._events:
+                self._send_rows(deadline=None)
+                return
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + _jittered(self.config.heartbeat_interval_s)
+            if not len(self.spool):
+                self._heartbeat()
+
+    def _final_cycle(self) -> None:
+        deadline = self._close_deadline
+        self._take_ready(wait_until=deadline)
+        if len(self.spool):
+            self._replay(deadline)
+        self._send_rows(deadline)
+        with self._lock:
+            self.left_steps += self._queued_steps
+
+    def _next_body(self) -> tuple[int, bytes, int]:
+        rows, self._rows = self._rows[:MAX_STEPS_PER_BATCH], self._rows[MAX_STEPS_PER_BATCH:]
+        events = [self._events.popleft() for _ in range(len(self._events))]
+        head = dict(
+            self._head, seq=self._seq, agent={"version": self._version, "counters": self.counters.snapshot()}
+        )
+        batch = _batch.build(head, rows, events, self._heartbeat_fields())
+        self._seq += 1
+        return self._seq - 1, _batch.encode(batch), len(rows)
+
+    def _heartbeat_fields(self) -> dict[str, Any]:
+        return {"ts": time.time(), "phase": self.live.phase, "last_step": self.live.last_step}
+
+    def _spool_key(self, seq: int) -> str:
+        return f"{self._started_ns:020d}-{self.session}-{seq:010d}"
+
+    def _send_rows(self, deadline: float | None) -> None:
+        while self._rows or self._events:
+            seq, body, n = self._next_body()
+            if len(self.spool):  # strictly in order: new batches queue behind the spooled ones
+                if not self.spool.put(self._spool_key(seq), body):
+                    self.counters.add("dropped_unsent")
+                continue
+            end = (
+                deadline
+                if deadline is not None
+                else time.monotonic() + BATCH_DEADLINE_FACTOR * self.config.timeout_s
+            )
+            result = self._transport.post(body, end, retry=deadline is None)
+            if result.outcome is Outcome.SENT:
+                self.counters.add("sent_batches")
+                self.counters.add("sent_steps", n)
+            elif result.outcome is Outcome.REJECTED:
+                self._rejected(result)
+            else:
+                self.counters.add("send_failures")
+                self._defer(result)
+                if not self.spool.put(self._spool_key(seq), body):
+                    self.counters.add("dropped_unsent")
+        self._next_heartbeat = time.monotonic() + _jittered(self.config.heartbeat_interval_s)
+
+    def _replay(self, deadline: float | None) -> None:
+        """Send spooled batches oldest first; stop at the first that cannot be delivered."""
+        while len(self.spool) and (deadline is None or time.monotonic() < deadline):
+            item = self.spool.oldest()
+            if item is None:
+                return
+            name, body = item
+            timeout = self.config.timeout_s if deadline is None else deadline - time.monotonic()
+            result = self._transport.post_once(body, min(self.config.timeout_s, timeout))
+            if result.outcome is Outcome.UNAVAILABLE:
+                self._defer(result)
+                return
+            self.spool.remove(name)
+            self._replay_attempt = 0
+            if result.outcome is Outcome.SENT:
+                self.counters.add("replayed_batches")
+                self.counters.add("sent_batches")
+            else:
+                self._rejected(result)
+
+    def _defer(self, result: Result) -> None:
+        wait = result.retry_after_s if result.retry_after_s is not None else backoff_s(self._replay_attempt)
+        self._replay_attempt += 1
+        self._next_replay = time.monotonic() + wait
+
+    def _heartbeat(self) -> None:
+        head = dict(
+            self._head, seq=self._seq, agent={"version": self._version, "counters": self.counters.snapshot()}
+        )
+        self._seq += 1
+        body = _batch.encode(_batch.build(head, [], [], self._heartbeat_fields()))
+        timeout = min(self.config.timeout_s, self.config.heartbeat_interval_s)
+        result = self._transport.post_once(body, timeout)  # stale heartbeats are worthless: one try, no spool
+        if result.outcome is Outcome.SENT:
+            self.counters.add("heartbeats")
+        else:
+            self.counters.add("heartbeat_failures")
+            if result.outcome is Outcome.REJECTED:
+                self._rejected(result)
+
+    def _rejected(self, result: Result) -> None:
+        self.counters.add("rejected_batches")
+        if not self._rejections_logged:
+            self._rejections_logged = True
+            logger.error(
+                "stepwatch: the collector rejected a batch (%s); such batches are dropped, "
+                "not retried (logged once)",
+                result.message,
+            )

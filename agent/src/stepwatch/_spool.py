@@ -1,0 +1,96 @@
+"""A bounded on-disk queue of batches for while the collector is unreachable."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+
+from ._guard import Counters, Guard
+
+SUFFIX = ".json.gz"
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def spool_path(base: Path, run: str, rank: int) -> Path:
+    """`<base>/<run>/rank-<rank>`; run names with characters unsafe in paths get a short hash."""
+    safe = _UNSAFE.sub("_", run)
+    if safe != run:
+        safe = f"{safe}-{hashlib.sha1(run.encode()).hexdigest()[:8]}"
+    return base.expanduser() / safe / f"rank-{rank}"
+
+
+class Spool:
+    """Files named `<session start ns>-<session>-<seq>.json.gz`, so that name order is send order:
+    older sessions first, then by seq. Written atomically (temporary file + rename). When the bound
+    is reached, the oldest files are deleted and counted (`dropped_spool_full`).
+    Used by the sender thread only (and by close() after the sender thread is gone)."""
+
+    def __init__(self, directory: Path, max_bytes: int, counters: Counters, guard: Guard) -> None:
+        self.directory = directory
+        self._max_bytes = max_bytes
+        self._counters = counters
+        self._guard = guard
+        self._files: list[tuple[str, int]] = []  # (name, size), oldest first
+        try:
+            names = sorted(n for n in os.listdir(directory) if n.endswith(SUFFIX) and not n.startswith("."))
+            self._files = [(n, (directory / n).stat().st_size) for n in names]
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            guard.fail("spool", exc, disable=False)
+        self._bytes = sum(size for _, size in self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def put(self, key: str, body: bytes) -> bool:
+        """Queue a batch behind the others; False when it could not be written."""
+        if len(body) > self._max_bytes:
+            self._counters.add("dropped_spool_full")
+            return False
+        while self._files and self._bytes + len(body) > self._max_bytes:
+            self._drop_oldest()
+        name = key + SUFFIX
+        tmp = self.directory / f".{name}.tmp"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(body)
+            os.replace(tmp, self.directory / name)
+        except OSError as exc:
+            self._guard.fail("spool", exc, disable=False)
+            return False
+        self._files.append((name, len(body)))
+        self._files.sort()
+        self._bytes += len(body)
+        self._counters.add("spooled_batches")
+        return True
+
+    def oldest(self) -> tuple[str, bytes] | None:
+        while self._files:
+            name = self._files[0][0]
+            try:
+                return name, (self.directory / name).read_bytes()
+            except OSError as exc:
+                self._guard.fail("spool", exc, disable=False)
+                self.remove(name)
+        return None
+
+    def remove(self, name: str) -> None:
+        for i, (n, size) in enumerate(self._files):
+            if n == name:
+                del self._files[i]
+                self._bytes -= size
+                break
+        try:
+            os.unlink(self.directory / name)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            self._guard.fail("spool", exc, disable=False)
+
+    def _drop_oldest(self) -> None:
+        self.remove(self._files[0][0])
+        self._counters.add("dropped_spool_full")

@@ -1,0 +1,241 @@
+"""`attach()` and the `Watch` it returns."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from ._config import FLUSH_TIMEOUT_S, Config, build_config, env_disabled
+from ._guard import Counters, Guard
+from ._identity import Identity, detect
+from ._records import Live
+from ._sender import Sender
+from ._spool import Spool, spool_path
+from ._version import __version__
+
+if TYPE_CHECKING:
+    import torch
+
+    from ._collect import Collector
+
+logger = logging.getLogger("stepwatch")
+_LIVE: weakref.WeakSet[Watch] = weakref.WeakSet()
+_REGISTERED = False
+_REGISTER_LOCK = threading.Lock()
+
+
+def _close_all_at_exit() -> None:
+    for watch in list(_LIVE):
+        watch.close()
+
+
+def _disable_in_child() -> None:
+    # After fork (DataLoader workers) only the forking thread exists in the child: the sender thread
+    # and its locks are the parent's. The child's copy of each watch goes quiet and never touches them.
+    for watch in list(_LIVE):
+        watch._forked = True
+
+
+def _register_process_hooks() -> None:
+    global _REGISTERED
+    with _REGISTER_LOCK:
+        if not _REGISTERED:
+            _REGISTERED = True
+            atexit.register(_close_all_at_exit)
+            if hasattr(os, "register_at_fork"):
+                os.register_at_fork(after_in_child=_disable_in_child)
+
+
+class Watch:
+    """Watches one model and optimizer; returned by `stepwatch.attach()`.
+
+    Every `optimizer.step()` yields one record for this rank; a background thread ships them.
+    Methods never raise into the training loop.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Config, identity: Identity
+    ) -> None:
+        from ._collect import Collector  # imports torch: only ever reached through attach()
+
+        self.config, self.identity = config, identity
+        self._counters = Counters()
+        self._guard = Guard(self._counters)
+        self._live = Live()
+        self._pid = os.getpid()
+        self._forked = False
+        self._closed = False
+        max_bytes = int(config.max_spool_mb * 2**20)
+        self._spool = Spool(
+            spool_path(config.spool_dir, config.run, identity.rank), max_bytes, self._counters, self._guard
+        )
+        self._sender = Sender(
+            config, identity, self._counters, self._guard, self._live, self._spool, __version__
+        )
+        self._collector: Collector | None = Collector(
+            model, optimizer, config, self._guard, self._live, self._sender.submit
+        )
+        self._sender.start()
+        _LIVE.add(self)
+        _register_process_hooks()
+
+    @property
+    def session(self) -> str:
+        """This agent session's id (the `session` field of every batch)."""
+        return self._sender.session
+
+    @property
+    def step(self) -> int | None:
+        """The last completed optimizer step (counted by the agent from 1), or None before the first."""
+        return self._live.last_step
+
+    def _usable(self) -> bool:
+        return not self._closed and not self._forked and self._collector is not None
+
+    def log(self, **values: Any) -> None:
+        """Record extra scalars (tensors or numbers) for the current step, without a device sync.
+
+        Called between `optimizer.step()` and the next forward, the values belong to the step that
+        just ended (the usual `opt.step(); watch.log(loss=loss)`). `loss=` replaces the loss found
+        in the model's output; `grad_norm=` replaces the hook's (which sees the grads after clipping).
+        Do not modify a logged tensor in place afterwards: it is read when the step is handed over.
+        """
+        if not self._usable() or not self._guard.on("log"):
+            return
+        try:
+            self._collector.log(values)  # type: ignore[union-attr]
+        except Exception as exc:
+            self._guard.fail("log", exc)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Mark a known pause (eval, checkpoint): heartbeats show it, the collector does not call it a hang."""
+        usable = self._usable() and self._guard.on("phase")
+        previous = self._live.phase
+        if usable:
+            try:
+                self._collector.pause(True)  # type: ignore[union-attr]
+                self._live.phase = str(name)
+                self._sender.add_event("phase_start", {"phase": str(name)})
+            except Exception as exc:
+                self._guard.fail("phase", exc)
+        try:
+            yield
+        finally:
+            if usable and self._guard.on("phase"):
+                try:
+                    self._sender.add_event("phase_end", {"phase": str(name)})
+                    self._live.phase = previous
+                    self._collector.pause(False)  # type: ignore[union-attr]
+                except Exception as exc:
+                    self._guard.fail("phase", exc)
+
+    def stats(self) -> dict[str, int]:
+        """The agent's counters (also shipped in every batch as `agent.counters`)."""
+        return self._counters.snapshot()
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Remove the hooks, send what is pending within `timeout_s` (default 2 s), spool the rest.
+
+        Idempotent; also runs at interpreter exit. In a forked child it does nothing.
+        """
+        if self._closed or self._forked or os.getpid() != self._pid:
+            return
+        self._closed = True
+        timeout = FLUSH_TIMEOUT_S if timeout_s is None else max(0.0, float(timeout_s))
+        try:
+            collector, self._collector = self._collector, None
+            if collector is not None:
+                collector.remove()
+                collector.drain()
+        except Exception as exc:
+            self._guard.fail("close", exc, disable=False)
+        try:
+            self._sender.close(timeout)
+            left, spooled = self._sender.left_steps, len(self._spool)
+            if left or spooled:
+                logger.warning(
+                    "stepwatch: closed run %r; %d step(s) were not delivered and %d batch(es) wait "
+                    "in the spool %s for the next session",
+                    self.config.run,
+                    left,
+                    spooled,
+                    self._spool.directory,
+                )
+        except Exception as exc:
+            self._guard.fail("close", exc, disable=False)
+        _LIVE.discard(self)
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class NullWatch(Watch):
+    """What `attach()` returns when stepwatch is disabled: the same methods, doing nothing."""
+
+    def __init__(self) -> None:  # no hooks, no thread, no files
+        self._counters = Counters()
+        self._live = Live()
+        self._closed = True
+
+    @property
+    def session(self) -> str:
+        return ""
+
+    def log(self, **values: Any) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        yield
+
+    def close(self, timeout_s: float | None = None) -> None:
+        pass
+
+
+def attach(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    run: str | None = None,
+    url: str | None = None,
+    token: str | None = None,
+    **options: Any,
+) -> Watch:
+    """Watch `model` and `optimizer`; one record per `optimizer.step()` goes to the collector at `url`.
+
+    Arguments win over the environment (STEPWATCH_RUN, STEPWATCH_URL, STEPWATCH_TOKEN, STEPWATCH_NODE),
+    which wins over the defaults. STEPWATCH_DISABLED=1 or enabled=False returns a `NullWatch`.
+    Bad options raise ValueError naming the option; nothing raises after this call.
+    """
+    enabled = options.pop("enabled", True)
+    if not isinstance(enabled, bool):
+        raise ValueError(f"stepwatch: option enabled={enabled!r} must be True or False")
+    if not enabled or env_disabled():
+        return NullWatch()
+    config = build_config(run, url, token, options)
+    import torch  # the user's own; imported only here so that `import stepwatch` needs nothing
+
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"stepwatch: attach(model=...) needs a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(
+            f"stepwatch: attach(optimizer=...) needs a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    modules = dict(model.named_modules())
+    missing = [name for name in config.track if name not in modules]
+    if missing:
+        known = ", ".join(list(modules)[1:8])
+        raise ValueError(
+            f"stepwatch: option track names no module {missing[0]!r}; names come from "
+            f"model.named_modules(), e.g. {known}"
+        )
+    return Watch(model, optimizer, config, detect(config))

@@ -1,0 +1,205 @@
+"""What one rank reports per step, end to end: real tiny models on CPU, a real HTTP receiver."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import stepwatch
+
+from .conftest import MLP, Receiver, make_model, train
+from .contract import validate
+
+TIMINGS = ("time.data_ms", "time.forward_ms", "time.backward_ms", "time.optimizer_ms", "time.step_ms")
+
+
+def test_200_steps_arrive_with_every_metric(receiver: Receiver, fast: dict[str, Any]) -> None:
+    model, opt = make_model()
+    watch = stepwatch.attach(model, opt, run="mlp-200", url=receiver.url, **fast)
+    losses = train(model, opt, 200)
+    watch.close(timeout_s=5)
+
+    batches = receiver.accepted()
+    for batch in batches:
+        validate(batch)
+    assert receiver.steps() == list(range(1, 201))
+    assert {b["session"] for b in batches} == {watch.session}
+    assert [b["seq"] for b in batches] == sorted({b["seq"] for b in batches})
+    records = receiver.records()
+    for step in range(1, 201):
+        rec = records[step]
+        assert rec["loss"] == pytest.approx(losses[step - 1], rel=1e-6), step  # found in the output dict
+        assert rec["grad_norm"] > 0 and rec["grad_sumsq"] == pytest.approx(rec["grad_norm"] ** 2)
+        assert rec["lr"] == 0.01
+        assert all(isinstance(rec[t], float) and rec[t] >= 0 for t in TIMINGS), rec
+        assert rec["nonfinite.loss"] == rec["nonfinite.grads"] == rec["nonfinite.activations"] == 0
+    assert any(rec.get("mem.rss_mb") for rec in records.values())
+
+    tensor_steps = [s for b in batches if "tensors" in b for s in b["tensors"]["steps"]]
+    assert tensor_steps == list(range(10, 201, 10))
+    sampled = next(b for b in batches if "tensors" in b)
+    assert set(sampled["tensors"]["stats"]["amax"]) == {"fc1", "fc2"}
+    assert all(v > 0 for v in sampled["tensors"]["stats"]["amax"]["fc1"])
+    assert "fc1.weight" in sampled["tensors"]["stats"]["grad_norm"]
+    fingerprint_steps = [s for b in batches if "fingerprints" in b for s in b["fingerprints"]["steps"]]
+    assert fingerprint_steps == [100, 200]
+    assert batches[-1]["agent"]["version"] == stepwatch.__version__
+    assert watch.stats()["sent_steps"] == 200 and watch.stats()["internal_errors"] == 0
+
+
+def test_loss_found_as_scalar_and_as_attribute_and_averaged_over_micro_batches(
+    receiver: Receiver, fast: dict[str, Any]
+) -> None:
+    class Out:
+        def __init__(self, loss: torch.Tensor) -> None:
+            self.loss = loss
+
+    class Net(nn.Module):
+        def __init__(self, style: str) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 1)
+            self.style = style
+
+        def forward(self, x: torch.Tensor) -> Any:
+            loss = self.lin(x).pow(2).mean()
+            return loss if self.style == "scalar" else Out(loss)
+
+    for style in ("scalar", "attribute"):
+        net = Net(style)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        watch = stepwatch.attach(net, opt, run=f"loss-{style}", url=receiver.url, **fast)
+        expected = []
+        for _ in range(5):
+            micro = []
+            for _ in range(2):  # two micro-batches per optimizer step
+                out = net(torch.randn(3, 4))
+                loss = out if style == "scalar" else out.loss
+                loss.backward()
+                micro.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+            expected.append(sum(micro) / 2)
+        watch.close(timeout_s=5)
+        got = [b for b in receiver.accepted() if b["run"] == f"loss-{style}" and b["steps"]]
+        losses = [v for b in got for v in b["metrics"]["loss"]]
+        assert losses == pytest.approx(expected, rel=1e-6), style
+
+
+def test_log_values_and_overrides(receiver: Receiver, fast: dict[str, Any], stepwatch_log: Any) -> None:
+    model, opt = make_model()
+    watch = stepwatch.attach(model, opt, run="logged", url=receiver.url, **fast)
+    gen = torch.Generator().manual_seed(2)
+    for i in range(1, 6):
+        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen)
+        loss = model(x, y)["loss"] * 0 + 100.0 + i
+        watch.log(tokens=torch.tensor(4 * i))  # after the forward: belongs to the step in progress
+        loss.backward()
+        norm = nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        opt.step()
+        opt.zero_grad()
+        watch.log(loss=loss.detach(), grad_norm=norm, frac=0.5 * i, bad_value="text")  # after step: step i
+    watch.close(timeout_s=5)
+    records = receiver.records()
+    assert [records[i]["loss"] for i in range(1, 6)] == [101.0, 102.0, 103.0, 104.0, 105.0]
+    assert [records[i]["tokens"] for i in range(1, 6)] == [4.0, 8.0, 12.0, 16.0, 20.0]
+    assert [records[i]["frac"] for i in range(1, 6)] == [0.5, 1.0, 1.5, 2.0, 2.5]
+    assert all("bad_value" not in r for r in records.values())
+    assert watch.stats()["rejected_log_values"] == 5
+    assert sum("bad_value" in r.getMessage() for r in stepwatch_log.records) == 1  # warned once
+
+
+def test_nan_from_step_50_names_the_module(receiver: Receiver, fast: dict[str, Any]) -> None:
+    model, opt = make_model(nan_from_call=50)
+    watch = stepwatch.attach(model, opt, run="nan", url=receiver.url, track=["poison"], **fast)
+    train(model, opt, 60)
+    watch.close(timeout_s=5)
+    for batch in receiver.accepted():
+        validate(batch)
+    records = receiver.records()
+    for step in range(1, 50):
+        assert records[step]["nonfinite.activations"] == 0 and records[step]["nonfinite.loss"] == 0, step
+        assert records[step]["nonfinite.grads"] == 0
+    assert records[50]["nonfinite.activations"] == 1
+    assert records[50]["nonfinite.loss"] == 1 and records[50]["loss"] == "NaN"
+    assert records[50]["nonfinite.grads"] == 1
+    events = [e for b in receiver.accepted() for e in b.get("events", []) if e["kind"] == "nonfinite"]
+    assert len(events) == 1
+    assert events[0]["step"] == 50
+    assert events[0]["data"]["module"] == "poison"
+    assert set(events[0]["data"]["where"]) == {"activations", "loss", "grads"}
+    step50 = next(b for b in receiver.accepted() if 50 in b.get("tensors", {}).get("steps", []))
+    i = step50["tensors"]["steps"].index(50)
+    assert step50["tensors"]["stats"]["amax"]["poison"][i] == "NaN"
+    assert isinstance(step50["tensors"]["stats"]["amax"]["fc1"][i], float)
+
+
+def test_phase_and_heartbeat_while_the_training_thread_is_blocked(
+    receiver: Receiver, fast: dict[str, Any]
+) -> None:
+    model, opt = make_model()
+    watch = stepwatch.attach(model, opt, run="paused", url=receiver.url, **fast)
+    train(model, opt, 3)
+    with watch.phase("eval"), torch.no_grad():
+        model(torch.randn(2, 8))  # eval forward: not a training step
+        assert receiver.wait_for(
+            lambda: any(b["heartbeat"]["phase"] == "eval" for b in receiver.accepted()), 5
+        )
+    before = len(receiver.heartbeats())
+    time.sleep(0.8)  # blocked (think: a collective): heartbeats keep coming from the sender thread
+    assert len(receiver.heartbeats()) >= before + 2
+    assert receiver.heartbeats()[-1]["heartbeat"]["last_step"] == 3
+    train(model, opt, 2)
+    watch.close(timeout_s=5)
+    assert receiver.steps() == [1, 2, 3, 4, 5]
+    kinds = [(e["kind"], e["data"]) for b in receiver.accepted() for e in b.get("events", [])]
+    assert kinds == [("phase_start", {"phase": "eval"}), ("phase_end", {"phase": "eval"})]
+
+
+def test_fingerprints_agree_between_replicas_and_differ_after_a_bit_flip(
+    receiver: Receiver, fast: dict[str, Any]
+) -> None:
+    def run(name: str, flip: bool) -> list[str]:
+        model, opt = make_model()
+        watch = stepwatch.attach(model, opt, run=name, url=receiver.url, fingerprint_every=5, **fast)
+
+        def corrupt(step: int) -> None:
+            if flip and step == 7:
+                with torch.no_grad():
+                    bits = model.fc1.weight.view(torch.int32)
+                    bits[0, 0] ^= 1  # one bit of one weight: a silent data corruption
+
+        train(model, opt, 10, between=corrupt)
+        watch.close(timeout_s=5)
+        return [
+            v
+            for b in receiver.accepted()
+            if b["run"] == name and "fingerprints" in b
+            for v in b["fingerprints"]["values"]
+        ]
+
+    a, b, c = run("replica-a", False), run("replica-b", False), run("replica-c", True)
+    assert len(a) == 2 and a == b
+    assert c[0] == a[0] and c[1] != a[1]
+
+
+def test_tensor_learning_rate_and_param_groups(receiver: Receiver, fast: dict[str, Any]) -> None:
+    model = MLP()
+    opt = torch.optim.Adam(
+        [
+            {"params": model.fc1.parameters(), "lr": torch.tensor(0.01)},
+            {"params": model.fc2.parameters(), "lr": 0.5},
+        ]
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
+    watch = stepwatch.attach(model, opt, run="lrs", url=receiver.url, **fast)
+    train(model, opt, 3, between=lambda _: sched.step())
+    watch.close(timeout_s=5)
+    records = receiver.records()
+    assert [records[s]["lr"] for s in (1, 2, 3)] == pytest.approx([0.01, 0.005, 0.01 / 3])
+    assert [records[s]["lr.1"] for s in (1, 2, 3)] == pytest.approx([0.5, 0.25, 0.5 / 3])
+    assert all(math.isfinite(records[s]["grad_norm"]) for s in (1, 2, 3))
