@@ -1,0 +1,130 @@
+"""Receivers for the benchmarks: a real collector in a child process, or a stdlib stub.
+
+Both run in a separate process so that their CPU time never holds the benchmark's GIL: on a real
+cluster the collector is on another machine. Everything listens on 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+STARTUP_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 10.0
+
+# The stub receiver: answers 200 with a plausible ingest reply to every POST, reads the whole body.
+_STUB_SOURCE = r"""
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def _reply(self, body=b'{"accepted": true, "rows": 0, "duplicates": 0, "incarnation": 1}'):
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self._reply()
+    def do_GET(self):
+        self._reply(b'{"status": "ok"}')
+    def log_message(self, *args):
+        pass
+srv = http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H)
+srv.daemon_threads = True
+srv.serve_forever()
+"""
+
+
+@dataclass
+class Receiver:
+    kind: str  # "stepwatch-server" or "stub (stdlib HTTP, answers 200)"
+    url: str
+    process: subprocess.Popen[bytes]
+
+
+def collector_available() -> tuple[bool, str]:
+    """Whether the real collector can be imported here, and why not."""
+    try:
+        importlib.import_module("stepwatch_server.cli")
+        importlib.import_module("stepwatch_server.serving")
+    except Exception as exc:
+        return False, f"{type(exc).__name__}: {exc}"
+    return True, ""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_healthy(url: str, process: subprocess.Popen[bytes], path: str) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(
+                f"the receiver exited with {process.returncode} before it answered {url}{path}"
+            )
+        try:
+            with urllib.request.urlopen(url + path, timeout=2.0) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"the receiver did not answer {url}{path} within {STARTUP_TIMEOUT_S:.0f} s")
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(STOP_TIMEOUT_S)
+
+
+@contextlib.contextmanager
+def collector(database_url: str, *, log_path: Path | None = None) -> Iterator[Receiver]:
+    """`stepwatch-server serve` on a free loopback port, in a child process."""
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("STEPWATCH_TOKEN", None)
+    log = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115 (closed below)
+    cmd = [sys.executable, "-m", "stepwatch_server.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--database-url", database_url]
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, process, "/healthz")
+        yield Receiver("stepwatch-server", url, process)
+    finally:
+        _stop(process)
+        if log_path:
+            log.close()  # type: ignore[union-attr]
+
+
+@contextlib.contextmanager
+def stub() -> Iterator[Receiver]:
+    """A stdlib HTTP server that answers 200 to everything, in a child process."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-c", _STUB_SOURCE, str(port)])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, process, "/healthz")
+        yield Receiver("stub (stdlib HTTP server answering 200)", url, process)
+    finally:
+        _stop(process)
