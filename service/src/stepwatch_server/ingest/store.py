@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import random
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -130,6 +132,7 @@ class BatchWriter:
                 if attempt == MAX_WRITE_ATTEMPTS:
                     raise
                 log.debug("ingest race on a unique key (attempt %d); retrying", attempt)
+                time.sleep(random.uniform(0.0, 0.01 * attempt))
                 continue
             if new_series:  # cached only once committed
                 with self._cache_lock:
@@ -214,13 +217,17 @@ class BatchWriter:
                 conn.execute(update(AgentSession).where(AgentSession.id == batch.session)
                              .values(first_step=first_step))
             return int(row.incarnation), False
+        if conn.dialect.name == "postgresql":
+            # Serialise the creation of new sessions of one rank (held until commit), so that two
+            # sessions starting at once read each other's incarnation instead of colliding.
+            conn.execute(select(func.pg_advisory_xact_lock(run_id, batch.rank)))
         previous = conn.execute(
             select(func.max(AgentSession.incarnation))
             .where(AgentSession.run_id == run_id, AgentSession.rank == batch.rank)
         ).scalar()
         incarnation = int(previous or 0) + 1
-        # Two new sessions of one rank at once both pick max+1: the unique constraint
-        # (run_id, rank, incarnation) fails one of them, and write() retries it.
+        # Should two writers still pick the same max+1 (SQLite across processes), the unique
+        # constraint (run_id, rank, incarnation) fails one of them and write() retries it.
         conn.execute(AgentSession.__table__.insert(), {  # type: ignore[attr-defined]
             "id": batch.session, "run_id": run_id, "rank": batch.rank, "incarnation": incarnation,
             "first_step": first_step, "started_at": now,

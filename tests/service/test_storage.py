@@ -1,0 +1,110 @@
+"""Migrations, storage rules and the bulk writer, on both backends."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import inspect, select
+
+from stepwatch_server.ingest import BatchWriter, parse_batch
+from stepwatch_server.storage import make_engine, upgrade
+from stepwatch_server.storage.migrate import alembic_config, migrations_dir
+from stepwatch_server.storage.models import ALL_TABLES, Base, Point
+from tests.service.conftest import Collector, make_batch, steps_batch, table_counts
+
+
+def test_migrations_create_the_schema_and_match_the_models(database_url: str) -> None:
+    engine = make_engine(database_url)
+    try:
+        upgrade(engine)
+        head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+        with engine.connect() as conn:
+            assert MigrationContext.configure(conn).get_current_revision() == head
+            assert set(inspect(conn).get_table_names()) >= {t.name for t in ALL_TABLES}
+            assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+        upgrade(engine)  # idempotent
+        assert table_counts(database_url) == {t.name: 0 for t in ALL_TABLES}
+    finally:
+        engine.dispose()
+
+
+def test_restart_keeps_data_and_migrations_are_idempotent(database_url: str) -> None:
+    first = Collector(database_url)
+    try:
+        assert first.post(make_batch()).status_code == 200
+    finally:
+        first.close()
+    counts = table_counts(database_url)
+    second = Collector(database_url)
+    try:
+        assert second.get("/healthz")["status"] == "ok"
+        assert table_counts(database_url) == counts
+        assert second.post(make_batch()).json()["incarnation"] == 2  # same run and rank, new session
+    finally:
+        second.close()
+
+
+def test_sqlite_runs_in_wal_mode_with_foreign_keys(tmp_path: Path) -> None:
+    engine = make_engine(f"sqlite:///{tmp_path / 'sub' / 'db.sqlite'}")
+    try:
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+            assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() >= 1000
+    finally:
+        engine.dispose()
+
+
+def test_migration_scripts_have_dated_names() -> None:
+    names = [p.name for p in (migrations_dir() / "versions").glob("*.py")]
+    assert names and all(n[:4].isdigit() and n[4] == "_" and n[7] == "_" and n[10] == "_" for n in names)
+
+
+def test_writer_stores_nan_as_the_backend_can(database_url: str) -> None:
+    engine = make_engine(database_url)
+    try:
+        upgrade(engine)
+        writer = BatchWriter(engine)
+        batch = parse_batch(steps_batch("w", uuid.uuid4().hex, 0, [1, 2, 3, 4], x=["NaN", "Infinity", "-Infinity", 2.5]))
+        assert writer.write(batch).rows == 4
+        assert writer.write(batch).duplicates == 4
+        with engine.connect() as conn:
+            values = conn.execute(select(Point.value).order_by(Point.step)).scalars().all()
+        first = values[0]
+        if engine.dialect.name == "sqlite":
+            assert first is None  # SQLite turns NaN into NULL: NULL means NaN
+        else:
+            assert first is not None and np.isnan(first)
+        assert values[1:] == [np.inf, -np.inf, 2.5]
+    finally:
+        engine.dispose()
+
+
+def test_concurrent_new_sessions_of_one_rank_get_distinct_incarnations(database_url: str) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = make_engine(database_url)
+    try:
+        upgrade(engine)
+        writer = BatchWriter(engine)
+        batches = [parse_batch(steps_batch("race", uuid.uuid4().hex, 0, [i], x=[1.0])) for i in range(8)]
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(writer.write, batches))
+        assert sorted(r.incarnation for r in results) == list(range(1, 9))
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("table", [t.name for t in ALL_TABLES])
+def test_constraint_names_follow_the_convention(table: str) -> None:
+    t = Base.metadata.tables[table]
+    assert t.primary_key.name == f"pk_{table}"
+    assert all(fk.name and fk.name.startswith(f"fk_{table}_") for fk in t.foreign_key_constraints)
+
+
