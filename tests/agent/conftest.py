@@ -22,6 +22,7 @@ from torch import nn  # noqa: E402
 import stepwatch  # noqa: E402
 from stepwatch import _watch  # noqa: E402
 
+REPO_AGENT_SRC = Path(__file__).resolve().parents[2] / "agent" / "src"
 HANG_LIMIT_S = 10.0  # a "hanging" receiver never holds a request longer than this
 
 

@@ -94,7 +94,7 @@ class Sender:
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout_s + 0.5)
+            self._thread.join(timeout_s + 0.1)
             if self._thread.is_alive():
                 with self._lock:
                     self.left_steps += self._queued_steps + len(self._rows)
@@ -189,7 +189,7 @@ class Sender:
                 if deadline is not None
                 else time.monotonic() + BATCH_DEADLINE_FACTOR * self.config.timeout_s
             )
-            result = self._transport.post(body, end, retry=deadline is None)
+            result = self._transport.post(body, end, closing=deadline is not None)
             if result.outcome is Outcome.SENT:
                 self.counters.add("sent_batches")
                 self.counters.add("sent_steps", n)

@@ -101,8 +101,9 @@ class Transport:
         finally:
             conn.close()
 
-    def post(self, body: bytes, deadline: float, retry: bool = True) -> Result:
-        """Send until acknowledged, rejected or the deadline; sleeps end early when `stop` is set."""
+    def post(self, body: bytes, deadline: float, retry: bool = True, closing: bool = False) -> Result:
+        """Send until acknowledged, rejected or the deadline. Backoff sleeps end early when `stop` is
+        set, except while closing: then `deadline` is close()'s own and bounds every sleep."""
         attempt = 0
         while True:
             remaining = deadline - time.monotonic()
@@ -112,9 +113,11 @@ class Transport:
             # 500 and other unexpected 5xx: a server bug is not fixed by hammering; keep the batch.
             retryable = result.status is None or result.status in RETRY_STATUSES
             wait = result.retry_after_s if result.retry_after_s is not None else backoff_s(attempt)
-            if not retryable or self._stop.is_set() or time.monotonic() + wait >= deadline:
+            if not retryable or (self._stop.is_set() and not closing) or time.monotonic() + wait >= deadline:
                 return result
             self._counters.add("retries")
-            if self._stop.wait(wait):
+            if closing:
+                time.sleep(wait)
+            elif self._stop.wait(wait):
                 return result
             attempt += 1

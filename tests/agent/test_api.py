@@ -1,0 +1,223 @@
+"""The public surface: import without dependencies, __all__, options, env, disabled, fork, guard."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import stepwatch
+
+from .conftest import REPO_AGENT_SRC, Receiver, make_model, train
+
+
+def test_import_needs_only_the_standard_library() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        BLOCKED = {"torch", "numpy", "fastapi", "pydantic", "sqlalchemy", "stepwatch_server"}
+
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in BLOCKED:
+                    raise ImportError(f"blocked in this test: {name}")
+                return None
+
+        sys.meta_path.insert(0, Block())
+        import stepwatch
+        assert callable(stepwatch.attach) and stepwatch.__version__
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+        assert not loaded, loaded
+        w = stepwatch.NullWatch()
+        w.log(loss=1.0)
+        with w.phase("eval"):
+            pass
+        w.close()
+        print("ok")
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO_AGENT_SRC))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_all_is_honest() -> None:
+    public = {n for n in vars(stepwatch) if not n.startswith("_")} | {"__version__"}
+    assert set(stepwatch.__all__) == public
+    for name in stepwatch.__all__:
+        assert getattr(stepwatch, name) is not None
+    for name in ("attach", "Watch", "NullWatch"):
+        assert getattr(stepwatch, name).__doc__
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"run": "bad name!"}, "run"),
+        ({"run": "x" * 201}, "run"),
+        ({"url": "ftp://host"}, "url"),
+        ({"url": "http://:80"}, "url"),
+        ({"amax_every": 0}, "amax_every"),
+        ({"amax_every": 2.5}, "amax_every"),
+        ({"fingerprint_every": -1}, "fingerprint_every"),
+        ({"flush_interval_s": 0}, "flush_interval_s"),
+        ({"heartbeat_interval_s": "5"}, "heartbeat_interval_s"),
+        ({"timeout_s": float("nan")}, "timeout_s"),
+        ({"max_spool_mb": -1}, "max_spool_mb"),
+        ({"track": "fc1"}, "track"),
+        ({"track": ["nope"]}, "track"),
+        ({"shard": 2, "num_shards": 2}, "shard"),
+        ({"num_shards": 0}, "num_shards"),
+        ({"replica_group": -1}, "replica_group"),
+        ({"node": ""}, "node"),
+        ({"token": ""}, "token"),
+        ({"enabled": "yes"}, "enabled"),
+        ({"colour": "red"}, "colour"),
+    ],
+)
+def test_bad_options_raise_value_error_naming_the_option(options: dict[str, Any], named: str) -> None:
+    model, opt = make_model()
+    kwargs = {"run": "ok"} | options
+    with pytest.raises(ValueError, match=named):
+        stepwatch.attach(model, opt, **kwargs)
+
+
+def test_run_is_required_and_bad_objects_are_refused() -> None:
+    model, opt = make_model()
+    with pytest.raises(ValueError, match="STEPWATCH_RUN"):
+        stepwatch.attach(model, opt)
+    with pytest.raises(ValueError, match="Module"):
+        stepwatch.attach(object(), opt, run="r")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="Optimizer"):
+        stepwatch.attach(model, object(), run="r")  # type: ignore[arg-type]
+
+
+def test_environment_configures_and_arguments_win(
+    receiver: Receiver, fast: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STEPWATCH_RUN", "from-env")
+    monkeypatch.setenv("STEPWATCH_URL", receiver.url)
+    monkeypatch.setenv("STEPWATCH_TOKEN", "env-token")
+    monkeypatch.setenv("STEPWATCH_NODE", "node-7")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    model, opt = make_model()
+    watch = stepwatch.attach(model, opt, token="arg-token", **fast)
+    train(model, opt, 2)
+    watch.close(timeout_s=5)
+    batch = receiver.data_batches()[0]
+    assert (batch["run"], batch["rank"], batch["world_size"], batch["local_rank"]) == ("from-env", 3, 4, 1)
+    assert (batch["node"], batch["replica_group"], batch["shard"], batch["num_shards"]) == ("node-7", 3, 0, 1)
+    assert {r["headers"]["authorization"] for r in receiver.requests} == {"Bearer arg-token"}
+
+
+def test_slurm_identity(receiver: Receiver, fast: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    model, opt = make_model()
+    watch = stepwatch.attach(
+        model, opt, run="slurm", url=receiver.url, replica_group=1, shard=1, num_shards=4, **fast
+    )
+    train(model, opt, 1)
+    watch.close(timeout_s=5)
+    batch = receiver.data_batches()[0]
+    assert (batch["rank"], batch["world_size"], batch["local_rank"]) == (5, 8, 1)
+    assert (batch["replica_group"], batch["shard"], batch["num_shards"]) == (1, 1, 4)
+
+
+def test_disabled_is_a_no_op(receiver: Receiver, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STEPWATCH_DISABLED", "1")
+    model, opt = make_model()
+    threads = {t.name for t in __import__("threading").enumerate()}
+    watch = stepwatch.attach(model, opt, run="bad name!", url=receiver.url)  # not even validated
+    assert isinstance(watch, stepwatch.NullWatch)
+    train(model, opt, 3)
+    watch.log(loss=torch.tensor(1.0))
+    with watch.phase("eval"):
+        pass
+    assert watch.stats()["sent_batches"] == 0 and watch.step is None
+    watch.close()
+    assert "stepwatch-sender" not in threads and not any(
+        t.name == "stepwatch-sender" for t in __import__("threading").enumerate()
+    )
+    assert not model._forward_hooks and not opt._optimizer_step_pre_hooks
+    time.sleep(0.1)
+    assert receiver.requests == []
+    assert isinstance(stepwatch.attach(model, opt, run="r", enabled=False), stepwatch.NullWatch)
+
+
+def test_fork_leaves_the_parent_intact(receiver: Receiver, fast: dict[str, Any]) -> None:
+    model, opt = make_model()
+    watch = stepwatch.attach(model, opt, run="forked", url=receiver.url, **fast)
+    train(model, opt, 5)
+    pid = os.fork()
+    if pid == 0:  # child (a DataLoader worker, say): hooks and methods are silent no-ops
+        code = 0
+        try:
+            train(model, opt, 3)
+            watch.log(loss=1.0)
+            with watch.phase("eval"):
+                pass
+            watch.close(timeout_s=0.2)
+        except BaseException:
+            code = 1
+        os._exit(code)
+    deadline = time.monotonic() + 20
+    status = None
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.02)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child did not finish within 20 s")
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    train(model, opt, 5)
+    watch.close(timeout_s=5)
+    assert receiver.steps() == list(range(1, 11))
+    assert {b["session"] for b in receiver.accepted()} == {watch.session}
+
+
+def test_internal_error_is_contained_logged_once_and_counted(
+    receiver: Receiver, fast: dict[str, Any], allow_internal_errors: None, stepwatch_log: Any
+) -> None:
+    class Weird:
+        @property
+        def loss(self) -> torch.Tensor:
+            raise RuntimeError("this output object breaks on .loss")
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> Any:
+            self.last = self.lin(x).pow(2).mean()
+            return Weird()
+
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    watch = stepwatch.attach(net, opt, run="weird", url=receiver.url, **fast)
+    for _ in range(5):
+        net(torch.randn(2, 4))
+        net.last.backward()
+        opt.step()
+        opt.zero_grad()
+    watch.close(timeout_s=5)
+    assert watch.stats()["internal_errors"] == 1
+    internal = [r for r in stepwatch_log.records if getattr(r, "stepwatch_internal", False)]
+    assert len(internal) == 1 and "loss" in internal[0].getMessage()
+    records = receiver.records()
+    assert sorted(records) == [1, 2, 3, 4, 5]  # the rest keeps working
+    assert all("loss" not in r and r["grad_norm"] > 0 for r in records.values())

@@ -1,0 +1,186 @@
+"""A slow, failing or absent collector never hurts the run; spooled batches come back in order."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import stepwatch
+
+from .conftest import Receiver, free_port, make_model, train
+from .contract import validate
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def test_receiver_answering_500_does_not_hurt_training(receiver: Receiver, fast: dict[str, Any]) -> None:
+    receiver.respond = lambda batch, headers: (500, {}, {"detail": "boom"})
+    model, opt = make_model()
+    watch = stepwatch.attach(model, opt, run="five-hundred", url=receiver.url, **fast)
+    losses = train(model, opt, 40)
+    watch.close(timeout_s=1)
+    stats = watch.stats()
+    assert len(losses) == 40
+    assert stats["send_failures"] >= 1 and stats["spooled_batches"] >= 1 and stats["sent_batches"] == 0
+    assert stats["retries"] == 0  # a 500 is not hammered; the batch waits in the spool
+    assert list((fast["spool_dir"] / "five-hundred" / "rank-0").glob("*.json.gz"))
+
+
+def test_receiver_that_times_out_does_not_hurt_training(receiver: Receiver, fast: dict[str, Any]) -> None:
+    receiver.respond = lambda batch, headers: "hang"
+    model, opt = make_model()
+    watch = stepwatch.attach(model, opt, run="hang", url=receiver.url, **dict(fast, timeout_s=0.2))
+    start = time.monotonic()
+    train(model, opt, 150, between=lambda _: time.sleep(0.005))
+    elapsed = time.monotonic() - start
+    watch.close(timeout_s=0.5)
+    stats = watch.stats()
+    assert elapsed < 5
+    assert stats["retries"] >= 1 and stats["send_failures"] >= 1 and stats["spooled_batches"] >= 1
+
+
+def test_refused_connection_does_not_hurt_training(fast: dict[str, Any]) -> None:
+    model, opt = make_model()
+    watch = stepwatch.attach(model, opt, run="refused", url=f"http://127.0.0.1:{free_port()}", **fast)
+    train(model, opt, 40, between=lambda _: time.sleep(0.005))
+    watch.close(timeout_s=0.5)
+    stats = watch.stats()
+    assert stats["send_failures"] >= 1 and stats["spooled_batches"] >= 1 and stats["heartbeat_failures"] >= 1
+    assert stats["sent_batches"] == 0 and stats["internal_errors"] == 0
+
+
+def test_collector_down_then_up_every_step_arrives_in_order(fast: dict[str, Any]) -> None:
+    port = free_port()
+    model, opt = make_model()
+    opts = dict(fast, timeout_s=0.1)  # a short per-batch deadline: batches go to the spool quickly
+    watch = stepwatch.attach(model, opt, run="down-up", url=f"http://127.0.0.1:{port}", **opts)
+    times: dict[str, list[float]] = {"down": [], "up": []}
+    state = {"phase": "down", "t": time.perf_counter()}
+    receiver = Receiver(port)
+
+    def between(step: int) -> None:
+        now = time.perf_counter()
+        times[state["phase"]].append(now - state["t"])  # type: ignore[arg-type]
+        state["t"] = now
+        time.sleep(0.004)
+        if step == 150:
+            receiver.start()
+            state["phase"] = "up"
+
+    try:
+        train(model, opt, 300, between=between)
+        assert watch.stats()["spooled_batches"] >= 1
+        watch.close(timeout_s=5)
+        data = receiver.data_batches()
+        for batch in data:
+            validate(batch)
+        assert receiver.steps() == list(range(1, 301))  # all of them, in order, once
+        assert [b["seq"] for b in data] == sorted(b["seq"] for b in data)
+        assert watch.stats()["replayed_batches"] >= 1
+        assert not list((fast["spool_dir"] / "down-up" / "rank-0").glob("*.json.gz"))
+        print(
+            f"median loop time down {_median(times['down']) * 1e3:.2f} ms, up {_median(times['up']) * 1e3:.2f} ms"
+        )
+        assert _median(times["down"]) < 3 * _median(times["up"]) + 0.005
+    finally:
+        receiver.stop()
+
+
+def test_a_new_session_replays_the_spool_of_an_earlier_one(fast: dict[str, Any]) -> None:
+    port = free_port()
+    model, opt = make_model()
+    first = stepwatch.attach(model, opt, run="resume", url=f"http://127.0.0.1:{port}", **fast)
+    train(model, opt, 30)
+    first.close(timeout_s=0.5)
+    spooled = sorted((fast["spool_dir"] / "resume" / "rank-0").glob("*.json.gz"))
+    assert spooled and first.stats()["sent_batches"] == 0
+
+    receiver = Receiver(port).start()
+    try:
+        second = stepwatch.attach(model, opt, run="resume", url=receiver.url, **fast)
+        assert receiver.wait_for(lambda: first.session in {b["session"] for b in receiver.accepted()}, 5)
+        train(model, opt, 5)
+        second.close(timeout_s=5)
+        data = receiver.data_batches()
+        sessions = [b["session"] for b in data]
+        assert sessions.index(second.session) > max(i for i, s in enumerate(sessions) if s == first.session)
+        assert [s for b in data if b["session"] == first.session for s in b["steps"]] == list(range(1, 31))
+        assert [s for b in data if b["session"] == second.session for s in b["steps"]] == [1, 2, 3, 4, 5]
+        assert second.stats()["replayed_batches"] == len(spooled)
+        assert not any(p.exists() for p in spooled)
+    finally:
+        receiver.stop()
+
+
+def test_429_retry_after_is_honoured(receiver: Receiver, fast: dict[str, Any]) -> None:
+    seen: list[int] = []
+
+    def respond(batch: dict[str, Any], headers: dict[str, str]) -> Any:
+        if batch["steps"] and not seen:
+            seen.append(batch["seq"])
+            return (429, {"Retry-After": "1"}, {"error": {"message": "slow down"}})
+        return None
+
+    receiver.respond = respond
+    model, opt = make_model()
+    watch = stepwatch.attach(model, opt, run="polite", url=receiver.url, **dict(fast, timeout_s=1.0))
+    train(model, opt, 10)
+    with watch.phase("idle"):  # a known pause hands the finished steps to the sender
+        assert receiver.wait_for(lambda: len(receiver.steps()) == 10, 10)
+    watch.close(timeout_s=5)
+    first = [r for r in receiver.requests if r["batch"]["steps"] and r["batch"]["seq"] == seen[0]]
+    assert [r["status"] for r in first] == [429, 200]
+    assert first[1]["t"] - first[0]["t"] >= 0.95
+    assert watch.stats()["retries"] == 1
+    assert receiver.steps() == list(range(1, 11))
+
+
+def test_4xx_is_counted_logged_once_and_never_retried(
+    receiver: Receiver, fast: dict[str, Any], stepwatch_log: Any
+) -> None:
+    error = {"error": {"code": "invalid", "field": "metrics.loss[3]", "message": "expected a number"}}
+    receiver.respond = lambda batch, headers: (422, {}, error) if batch["steps"] else None
+    model, opt = make_model()
+    watch = stepwatch.attach(model, opt, run="rejected", url=receiver.url, token="s3cret", **fast)
+    for _ in range(3):
+        train(model, opt, 10)
+        time.sleep(0.15)
+    watch.close(timeout_s=2)
+    stats = watch.stats()
+    keys = [(r["batch"]["session"], r["batch"]["seq"]) for r in receiver.requests if r["batch"]["steps"]]
+    assert len(keys) == len(set(keys)) >= 2  # each batch tried once
+    assert stats["rejected_batches"] == len(keys) and stats["retries"] == 0 and stats["spooled_batches"] == 0
+    assert all(r["headers"]["authorization"] == "Bearer s3cret" for r in receiver.requests)
+    rejected = [r.getMessage() for r in stepwatch_log.records if "rejected" in r.getMessage()]
+    assert len(rejected) == 1 and "metrics.loss[3]: expected a number" in rejected[0]
+
+
+def test_close_returns_within_its_deadline_when_the_receiver_hangs(
+    receiver: Receiver, fast: dict[str, Any]
+) -> None:
+    model, opt = make_model()
+    watch = stepwatch.attach(model, opt, run="deadline", url=receiver.url, **dict(fast, timeout_s=5.0))
+    train(model, opt, 20)
+    receiver.respond = lambda batch, headers: "hang"
+    train(model, opt, 20)
+    time.sleep(0.2)  # the sender is now stuck in a request to the hanging receiver
+    start = time.monotonic()
+    watch.close(timeout_s=1.0)
+    assert time.monotonic() - start < 1.0 + 0.5
+
+
+def test_spool_stays_within_its_bound(fast: dict[str, Any], tmp_path: Path) -> None:
+    model, opt = make_model(width=64)
+    opts = dict(fast, max_spool_mb=0.002, amax_every=1)  # ~2 KB: a couple of batches at most
+    watch = stepwatch.attach(model, opt, run="bounded", url=f"http://127.0.0.1:{free_port()}", **opts)
+    train(model, opt, 100, between=lambda _: time.sleep(0.003))
+    watch.close(timeout_s=0.5)
+    directory = fast["spool_dir"] / "bounded" / "rank-0"
+    assert sum(p.stat().st_size for p in directory.glob("*.json.gz")) <= 0.002 * 2**20
+    assert watch.stats()["dropped_spool_full"] >= 1
+    assert not [p for p in directory.iterdir() if p.name.startswith(".")]  # no temporary files left
+    assert os.access(directory, os.W_OK)
