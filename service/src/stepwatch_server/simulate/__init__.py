@@ -1,0 +1,56 @@
+"""Multi-rank training-trace simulator: realistic synchronous data-parallel runs with injected faults
+and ground-truth labels, emitted as schema-1 ingest batches; plus the scorer for detectors.
+
+    from stepwatch_server.simulate import SCENARIOS, Simulation, generate, score
+    sim = Simulation(SCENARIOS["straggler_10pct_fwd_64"])
+    for batch in sim: ...           # what a collector would receive, in order
+    sim.labels                      # ground truth, with onset timestamps
+"""
+
+from stepwatch_server.simulate.scenario import (
+    KINDS,
+    Divergence,
+    Fault,
+    Fp8OverflowRisk,
+    Hang,
+    Label,
+    LossSpike,
+    MemoryLeak,
+    NonFinite,
+    ReplicaDivergence,
+    Scenario,
+    SlowNode,
+    Straggler,
+    ThroughputDrop,
+)
+from stepwatch_server.simulate.score import Detection, KindScore, Score, matches, score, score_scenario
+from stepwatch_server.simulate.simulation import Simulation, generate
+from stepwatch_server.simulate.suite import DEMO_BY_KIND, QUICK, SCENARIOS
+
+__all__ = [
+    "DEMO_BY_KIND",
+    "KINDS",
+    "QUICK",
+    "SCENARIOS",
+    "Detection",
+    "Divergence",
+    "Fault",
+    "Fp8OverflowRisk",
+    "Hang",
+    "KindScore",
+    "Label",
+    "LossSpike",
+    "MemoryLeak",
+    "NonFinite",
+    "ReplicaDivergence",
+    "Scenario",
+    "Score",
+    "Simulation",
+    "SlowNode",
+    "Straggler",
+    "ThroughputDrop",
+    "generate",
+    "matches",
+    "score",
+    "score_scenario",
+]

@@ -1,0 +1,289 @@
+"""Vectorised generation of a clean synchronous data-parallel trace, one chunk of steps at a time.
+
+Each chunk is a few arrays of shape (steps, ranks); the only state carried between chunks is small
+(random-walk positions, the running memory maximum, the clock), so a 20k-step x 64-rank or a
+5k-step x 512-rank run streams in a few MB. Every chunk draws from its own random stream
+(`default_rng([seed, stream, chunk])`), which keeps the trace reproducible and independent of faults.
+
+The timing model is the one the detectors must respect. Per step and rank: `data` and `forward`
+(intrinsic), `bwd` (backward compute), `opt` (optimizer); per step `tail` (the last all-reduce bucket).
+Relative to the previous all-reduce end T(s-1), rank r reaches backward at
+`arrive = opt(s-1) + data + forward`; gradients are all-reduced when the slowest rank has computed
+them, so T(s) = T(s-1) + max_r(arrive + bwd) + tail. A rank's reported backward is T(s) - arrive (its
+compute plus its wait for the slowest), its step ends at T(s) + opt. Step times are therefore equal
+across ranks up to optimizer noise, and a slow rank shows a long data/forward and a SHORT backward.
+Known pauses (eval, checkpoint) sit in the next step's data time, as the agent measures it (from the
+previous step's end), and are marked with phase_start/phase_end events.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from stepwatch_server.simulate.scenario import Scenario
+
+# Shares of the median step taken by each phase (they sum to 1).
+DATA_SHARE, FORWARD_SHARE, BACKWARD_SHARE, OPTIMIZER_SHARE, TAIL_SHARE = 0.04, 0.30, 0.52, 0.06, 0.08
+DATA_SIGMA, COMPUTE_SIGMA, OPT_SIGMA, TAIL_SIGMA = 0.10, 0.02, 0.03, 0.05  # lognormal, per step
+RANK_SPEED_SIGMA = 0.006  # persistent GPU-to-GPU speed spread
+LOSS_START, LOSS_FLOOR, LOSS_TAU_STEPS, LOSS_ALPHA = 11.0, 1.9, 60.0, 0.55
+LOSS_GLOBAL_SIGMA, LOSS_RANK_SIGMA, LOSS_DRIFT_PHI, LOSS_DRIFT_SIGMA = 0.006, 0.03, 0.995, 0.0015
+HARD_BATCH_RATE, HARD_BATCH_BUMP = 1 / 1500, 0.12  # one rank's micro-batch is unusually hard
+GRAD_SIGMA, GRAD_TAIL_SCALE = 0.08, 0.04
+BASE_ALLOC_MB, ACT_PEAK_MB, MEM_WARMUP_STEPS = 38_000.0, 9_000.0, 40
+AMAX_OU_PHI, AMAX_OU_SIGMA, AMAX_RANK_SIGMA = 0.998, 0.008, 0.04
+AMAX_BASE = {"qkv": 8.0, "fc1": 14.0, "fc2": 22.0, "logits": 40.0, "lm_head": 30.0}
+STREAM_STATIC, STREAM_CHUNK, STREAM_BATCH = 0, 1, 3
+
+
+def lr_at(steps: np.ndarray, scn: Scenario) -> np.ndarray:
+    """Linear warm-up to the peak, then cosine decay to 10% of it (identical on every rank)."""
+    s = steps.astype(np.float64)
+    warm = scn.peak_lr * np.minimum(1.0, s / max(1, scn.warmup_steps))
+    progress = np.clip((s - scn.warmup_steps) / max(1, scn.steps - scn.warmup_steps), 0.0, 1.0)
+    cos = scn.peak_lr * (0.1 + 0.45 * (1.0 + np.cos(np.pi * progress)))
+    return np.where(s < scn.warmup_steps, warm, cos)
+
+
+def loss_curve(steps: np.ndarray) -> np.ndarray:
+    """Noise-free global loss: ~11 at step 0, power-law decay towards the floor."""
+    return LOSS_FLOOR + (LOSS_START - LOSS_FLOOR) * (1.0 + steps / LOSS_TAU_STEPS) ** -LOSS_ALPHA
+
+
+def fingerprint(seed: int, step: int, salt: str = "") -> str:
+    """16 hex digits standing for a device-side checksum of the parameters at `step`."""
+    return hashlib.blake2b(f"{seed}:{step}:{salt}".encode(), digest_size=8).hexdigest()
+
+
+def module_base_amax(name: str) -> float:
+    for key, value in AMAX_BASE.items():
+        if key in name:
+            return value
+    return 10.0
+
+
+@dataclass
+class Chunk:
+    """Steps [steps[0], steps[-1]] of every rank. Arrays are (n, R) float64 unless noted."""
+
+    index: int
+    steps: np.ndarray  # (n,) int64
+    data: np.ndarray
+    forward: np.ndarray
+    bwd: np.ndarray  # backward compute only; `backward` (with the wait) is filled by sync()
+    opt: np.ndarray
+    tail: np.ndarray  # (n,)
+    pause_ms: np.ndarray  # (n,) known pause inside this step's data time
+    pause_kind: list[str | None]  # (n,) "eval" / "checkpoint" / None
+    lr: np.ndarray  # (n,)
+    loss: np.ndarray
+    grad_norm: np.ndarray
+    alloc: np.ndarray
+    peak: np.ndarray
+    reserved: np.ndarray
+    amax: np.ndarray  # (n, R, M): computed on every step, shipped every `amax_every` steps
+    nf_loss: np.ndarray  # (n, R) int8
+    nf_grads: np.ndarray
+    nf_act: np.ndarray
+    fp_rows: np.ndarray  # row indices carrying a fingerprint
+    fp_salt: dict[int, str] = field(default_factory=dict)  # rank -> salt (diverged replicas)
+    # (row, rank, kind, data): events stamped at that rank's step end (phase events add an offset)
+    events: list[tuple[int, int, str, dict[str, Any]]] = field(default_factory=list)
+    backward: np.ndarray | None = None
+    step_ms: np.ndarray | None = None
+    end_ts: np.ndarray | None = None  # (n, R) Unix seconds, with per-rank clock skew
+
+    @property
+    def n(self) -> int:
+        return int(self.steps.shape[0])
+
+    def rows(self, first: int, last: int | None) -> np.ndarray:
+        """Boolean (n,) mask of the chunk's steps in [first, last] (last None: no end)."""
+        m = self.steps >= first
+        if last is not None:
+            m &= self.steps <= last
+        return m
+
+
+@dataclass
+class _Carry:
+    t_ms: float = 0.0  # the previous all-reduce end, ms since start_ts
+    prev_opt: np.ndarray | None = None
+    loss_drift: float = 0.0
+    amax_ou: np.ndarray | None = None
+    reserved_max: np.ndarray | None = None
+
+
+class CleanPhysics:
+    """Streams clean chunks of a scenario; faults are applied by the caller between `draw` and `sync`."""
+
+    def __init__(self, scn: Scenario) -> None:
+        self.scn = scn
+        R, M = scn.world_size, len(scn.modules)
+        rng = np.random.default_rng([scn.seed, STREAM_STATIC])
+        self.speed = np.exp(rng.normal(0.0, RANK_SPEED_SIGMA * scn.noise, R))
+        self.data_speed = np.exp(rng.normal(0.0, 2 * RANK_SPEED_SIGMA * scn.noise, R))
+        self.skew_s = rng.normal(0.0, 0.002, R)  # NTP-level clock offsets
+        self.base_alloc = BASE_ALLOC_MB + rng.normal(0.0, 120.0, R)
+        self.act_peak = ACT_PEAK_MB + rng.normal(0.0, 80.0, R)
+        self.frag = rng.uniform(600.0, 2400.0, R)
+        # Allocator plateaus: a step-up of a few hundred MB reached over a few steps, then flat.
+        n_plateaus = rng.poisson(scn.plateaus_per_10k * scn.steps / 10_000, R)
+        self.pl_rank = np.repeat(np.arange(R), n_plateaus)
+        k = self.pl_rank.shape[0]
+        self.pl_step = rng.integers(MEM_WARMUP_STEPS, max(MEM_WARMUP_STEPS + 1, scn.steps), k)
+        self.pl_size = np.exp(rng.normal(math.log(350.0), 0.7, k))
+        self.pl_ramp = rng.integers(1, 40, k).astype(np.float64)
+        self.pl_onehot = np.zeros((k, R))  # plateau -> its rank, to add plateaus with one matmul
+        self.pl_onehot[np.arange(k), self.pl_rank] = 1.0
+        self.amax_base = np.array([module_base_amax(m) for m in scn.modules]) * np.exp(rng.normal(0, 0.2, M))
+        self.carry = _Carry(
+            prev_opt=np.full(R, OPTIMIZER_SHARE * scn.step_ms),
+            amax_ou=np.zeros(M),
+            reserved_max=np.zeros(R),
+        )
+
+    def chunk_ranges(self) -> list[tuple[int, int]]:
+        """[first, last] steps of each chunk, aligned to multiples of chunk_steps, up to the last step."""
+        c, last = self.scn.chunk_steps, self.scn.last_step
+        return [(a, min(a + c - 1, last)) for a in range(1, last + 1, c)]
+
+    def draw(self, index: int, first: int, last: int) -> Chunk:
+        """The clean intrinsic values of steps first..last (timings not yet synchronised)."""
+        scn, R, M = self.scn, self.scn.world_size, len(self.scn.modules)
+        rng = np.random.default_rng([scn.seed, STREAM_CHUNK, index])
+        steps = np.arange(first, last + 1, dtype=np.int64)
+        n, nz = steps.shape[0], scn.noise
+        ms = scn.step_ms
+
+        def lognormal(sigma: float, shape: tuple[int, ...]) -> np.ndarray:
+            return np.exp(rng.normal(0.0, sigma * nz, shape))
+
+        data = DATA_SHARE * ms * self.data_speed * lognormal(DATA_SIGMA, (n, R))
+        forward = FORWARD_SHARE * ms * self.speed * lognormal(COMPUTE_SIGMA, (n, R))
+        bwd = BACKWARD_SHARE * ms * self.speed * lognormal(COMPUTE_SIGMA, (n, R))
+        opt = OPTIMIZER_SHARE * ms * lognormal(OPT_SIGMA, (n, R))
+        tail = TAIL_SHARE * ms * lognormal(TAIL_SIGMA, (n,))
+        # GC pauses in forward on one rank, and rare slow steps on every rank (a filesystem hiccup).
+        gc = rng.random((n, R)) < scn.gc_rate
+        forward += gc * rng.uniform(0.3, 1.5, (n, R)) * ms
+        blip = rng.random(n) < scn.global_blip_rate
+        data += (blip * rng.uniform(1.0, 4.0, n) * ms)[:, None]
+        # Warm-up: step 1 compiles/autotunes, the next few are still slow.
+        early = steps <= 5
+        if early.any():
+            slow = np.where(steps == 1, scn.compile_s * 1000.0, 0.4 * ms / steps.astype(np.float64))
+            forward += (early * slow)[:, None] * rng.uniform(0.98, 1.02, (n, R))
+        pause_ms = np.zeros(n)
+        pause_kind: list[str | None] = [None] * n
+        events: list[tuple[int, int, str, dict[str, Any]]] = []
+        for i, s in enumerate(steps.tolist()):
+            prev = s - 1
+            if prev < 1:
+                continue
+            kind = None
+            if scn.ckpt_every and prev % scn.ckpt_every == 0:
+                kind, length_s = "checkpoint", scn.ckpt_s
+            elif scn.eval_every and prev % scn.eval_every == 0:
+                kind, length_s = "eval", scn.eval_s
+            if kind is not None:
+                pause_ms[i] = length_s * 1000.0 * rng.uniform(0.9, 1.1)
+                pause_kind[i] = kind
+        data += pause_ms[:, None]
+
+        lr = lr_at(steps, scn)
+        loss, grad_norm = self._loss_and_grads(rng, steps, lr, n, R)
+        alloc, peak, reserved = self._memory(rng, steps, n, R)
+        amax = self._amax(rng, steps, n, R, M)
+        fp_rows = (
+            np.flatnonzero(steps % scn.fingerprint_every == 0)
+            if scn.fingerprint_every
+            else np.zeros(0, np.int64)
+        )
+        zeros = np.zeros((n, R), dtype=np.int8)
+        return Chunk(
+            index=index, steps=steps, data=data, forward=forward, bwd=bwd, opt=opt, tail=tail,
+            pause_ms=pause_ms, pause_kind=pause_kind, lr=lr, loss=loss, grad_norm=grad_norm,
+            alloc=alloc, peak=peak, reserved=reserved, amax=amax, nf_loss=zeros, nf_grads=zeros.copy(),
+            nf_act=zeros.copy(), fp_rows=fp_rows, events=events,
+        )  # fmt: skip
+
+    def _loss_and_grads(
+        self, rng: np.random.Generator, steps: np.ndarray, lr: np.ndarray, n: int, R: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        scn, nz, c = self.scn, self.scn.noise, self.carry
+        s = steps.astype(np.float64)
+        # Slow wander (data mixture), AR(1) carried across chunks.
+        drift = np.empty(n)
+        eps = rng.normal(0.0, LOSS_DRIFT_SIGMA * nz, n)
+        d = c.loss_drift
+        for i in range(n):
+            d = LOSS_DRIFT_PHI * d + eps[i]
+            drift[i] = d
+        c.loss_drift = d
+        warm = s < scn.warmup_steps
+        level = 0.4 + lr / scn.peak_lr + 1.5 * warm  # bigger updates -> noisier loss; warm-up is bumpy
+        glob = loss_curve(s) * np.exp(drift + rng.normal(0.0, LOSS_GLOBAL_SIGMA * nz, n) * level)
+        per_rank = rng.normal(0.0, LOSS_RANK_SIGMA * nz, (n, R))
+        per_rank += (rng.random((n, R)) < HARD_BATCH_RATE) * HARD_BATCH_BUMP
+        loss = glob[:, None] * np.exp(per_rank)
+        # DDP all-reduces gradients before optimizer.step(): every rank reports the same norm.
+        base = 0.9 + 6.0 * (1.0 + s / 40.0) ** -0.8
+        g = base * np.exp(rng.normal(0.0, GRAD_SIGMA * nz, n) + GRAD_TAIL_SCALE * nz * rng.standard_t(3, n))
+        spikes = rng.random(n) < scn.grad_spike_rate  # benign: clipped, the loss does not follow
+        g *= np.where(spikes, rng.uniform(2.5, 6.0, n), 1.0)
+        return loss, np.repeat(g[:, None], R, axis=1)
+
+    def _memory(
+        self, rng: np.random.Generator, steps: np.ndarray, n: int, R: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        s = steps.astype(np.float64)
+        ramp = np.minimum(1.0, s / MEM_WARMUP_STEPS)[:, None]  # optimizer state appears on early steps
+        alloc = self.base_alloc * (0.7 + 0.3 * ramp) + np.round(rng.normal(0.0, 2.0, (n, R)), 0)
+        if self.pl_rank.size:
+            frac = np.clip((s[:, None] - self.pl_step[None, :]) / self.pl_ramp[None, :], 0.0, 1.0)
+            alloc += (frac * self.pl_size[None, :]) @ self.pl_onehot
+        peak = alloc + self.act_peak * np.exp(rng.normal(0.0, 0.003, (n, R)))
+        reserved = np.zeros_like(alloc)  # filled by finish_memory() once faults have moved `peak`
+        return alloc, peak, reserved
+
+    def finish_memory(self, ch: Chunk) -> None:
+        """The caching allocator keeps what it ever reserved: running max of peak + fragmentation."""
+        assert self.carry.reserved_max is not None
+        run = np.maximum.accumulate(np.vstack([self.carry.reserved_max[None, :], ch.peak]), axis=0)[1:]
+        self.carry.reserved_max = run[-1].copy()
+        ch.reserved = np.ceil((run + self.frag) / 2.0) * 2.0
+
+    def _amax(self, rng: np.random.Generator, steps: np.ndarray, n: int, R: int, M: int) -> np.ndarray:
+        c = self.carry
+        assert c.amax_ou is not None
+        eps = rng.normal(0.0, AMAX_OU_SIGMA * self.scn.noise, (n, M))
+        ou = np.empty((n, M))
+        x = c.amax_ou
+        for i in range(n):
+            x = AMAX_OU_PHI * x + eps[i]
+            ou[i] = x
+        c.amax_ou = x
+        grow = 1.0 - 0.5 * np.exp(-steps.astype(np.float64) / 500.0)  # activations grow early in training
+        shared = self.amax_base[None, :] * grow[:, None] * np.exp(ou)
+        per_rank = np.exp(rng.normal(0.0, AMAX_RANK_SIGMA * self.scn.noise, (n, R, M)))
+        return shared[:, None, :] * per_rank
+
+    def sync(self, ch: Chunk) -> None:
+        """Synchronise the ranks (see the module docstring): fills backward, step_ms and end_ts."""
+        c = self.carry
+        assert c.prev_opt is not None
+        prev_opt = np.vstack([c.prev_opt[None, :], ch.opt[:-1]])
+        arrive = prev_opt + ch.data + ch.forward
+        d = (arrive + ch.bwd).max(axis=1) + ch.tail
+        t = c.t_ms + np.cumsum(d)
+        ch.backward = d[:, None] - arrive
+        ch.step_ms = d[:, None] + ch.opt - prev_opt
+        ch.end_ts = self.scn.start_ts + (t[:, None] + ch.opt) / 1000.0 + self.skew_s[None, :]
+        c.t_ms = float(t[-1])
+        c.prev_opt = ch.opt[-1].copy()
