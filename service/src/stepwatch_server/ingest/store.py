@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from sqlalchemy import Connection, Engine, Insert, Table, func, select, tuple_, update
@@ -33,7 +33,6 @@ from stepwatch_server.storage.models import (
     Event,
     Fingerprint,
     IngestedBatch,
-    Point,
     Rank,
     Run,
     Series,
@@ -45,7 +44,6 @@ log = logging.getLogger(__name__)
 MAX_WRITE_ATTEMPTS = 5  # concurrent first batches of a run/rank/session race on unique keys; retry
 RUN_TOUCH_INTERVAL_S = 5.0  # runs.last_seen_at is refreshed at most this often (it is a hot row)
 
-_POINTS: Table = Point.__table__  # type: ignore[assignment]
 _STEPS: Table = StepRecord.__table__  # type: ignore[assignment]
 _FINGERPRINTS: Table = Fingerprint.__table__  # type: ignore[assignment]
 _EVENTS: Table = Event.__table__  # type: ignore[assignment]
@@ -72,14 +70,42 @@ def insert_ignore(conn: Connection, table: Table) -> Insert:
     return factory(table).on_conflict_do_nothing()
 
 
-def insert_points(conn: Connection, rows: Sequence[Mapping[str, Any]]) -> None:
-    """The raw bulk insert of value rows (series_id, rank, step, incarnation, value): one executemany.
+POINT_COLUMNS = ("series_id", "rank", "step", "incarnation", "value")
+PointRow = tuple[int, int, int, int, float]
+_POINTS_CHUNK_ROWS = 100_000  # bounds the size of one statement's parameters
+_INSERT_POINTS_PG = (
+    f"INSERT INTO points ({', '.join(POINT_COLUMNS)}) "
+    "SELECT * FROM unnest(%s::integer[], %s::integer[], %s::bigint[], %s::integer[], %s::float8[]) "
+    "ON CONFLICT DO NOTHING"
+)
+_INSERT_POINTS_SQLITE = (
+    f"INSERT INTO points ({', '.join(POINT_COLUMNS)}) VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
+)
+
+
+def insert_points(conn: Connection, rows: Sequence[PointRow] | Sequence[Mapping[str, Any]]) -> None:
+    """The raw bulk insert of value rows `(series_id, rank, step, incarnation, value)`.
 
     This is the statement ingest spends its database time in; benchmarks call it directly to
-    measure the storage rate without HTTP, parsing or validation.
+    measure the storage rate without HTTP, parsing or validation. Rows are tuples in
+    POINT_COLUMNS order (dicts keyed by those names are accepted too). A row that already exists
+    is skipped (ON CONFLICT DO NOTHING). PostgreSQL gets one `INSERT ... SELECT FROM unnest(arrays)`
+    per chunk (about twice the rate of executemany); SQLite gets the driver's executemany of
+    tuples (about twice the rate of SQLAlchemy's per-row parameter processing).
     """
-    if rows:
-        conn.execute(insert_ignore(conn, _POINTS), list(rows))
+    if not rows:
+        return
+    tuples = (
+        [tuple(r[c] for c in POINT_COLUMNS) for r in cast("Sequence[Mapping[str, Any]]", rows)]
+        if isinstance(rows[0], Mapping)
+        else rows
+    )
+    for start in range(0, len(tuples), _POINTS_CHUNK_ROWS):
+        chunk = tuples[start:start + _POINTS_CHUNK_ROWS]
+        if conn.dialect.name == "postgresql":
+            conn.exec_driver_sql(_INSERT_POINTS_PG, tuple(list(col) for col in zip(*chunk, strict=True)))
+        else:
+            conn.exec_driver_sql(_INSERT_POINTS_SQLITE, list(chunk))
 
 
 def _utcnow() -> dt.datetime:
@@ -90,15 +116,11 @@ def _from_unix(ts: float) -> dt.datetime:
     return dt.datetime.fromtimestamp(ts, dt.UTC)
 
 
-def _column_rows(series_id: int, rank: int, incarnation: int, steps: np.ndarray,
-                 col: Column) -> list[dict[str, Any]]:
+def _column_rows(series_id: int, rank: int, incarnation: int, steps: np.ndarray, col: Column) -> list[PointRow]:
     values = col.values
     if col.present is not None:
         steps, values = steps[col.present], values[col.present]
-    return [
-        {"series_id": series_id, "rank": rank, "step": s, "incarnation": incarnation, "value": v}
-        for s, v in zip(steps.tolist(), values.tolist(), strict=True)
-    ]
+    return [(series_id, rank, s, incarnation, v) for s, v in zip(steps.tolist(), values.tolist(), strict=True)]
 
 
 class _Duplicate(Exception):
@@ -155,7 +177,7 @@ class BatchWriter:
             raise _Duplicate(IngestResult(rows=0, duplicates=rows, incarnation=incarnation, run_id=run_id))
 
         series_ids = self._series(conn, run_id, batch, new_series)
-        point_rows: list[dict[str, Any]] = []
+        point_rows: list[PointRow] = []
         for name, col in batch.metrics.items():
             point_rows += _column_rows(series_ids[(METRIC_STAT, name)], batch.rank, incarnation, batch.steps, col)
         for stat, cols in batch.tensors.items():
