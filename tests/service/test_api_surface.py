@@ -37,3 +37,12 @@ def test_openapi_documents_ingest_with_the_example(collector: Collector) -> None
     assert ingest["requestBody"]["content"]["application/json"]["example"] == EXAMPLE_BATCH
     assert set(ingest["responses"]) >= {"200", "400", "401", "413", "415", "422"}
     assert spec["paths"]["/api/v1/runs/{run}/series"]["get"]["tags"] == ["runs"]
+
+
+def test_documented_limits_are_the_enforced_ones() -> None:
+    from stepwatch_server.ingest.schema import MAX_VALUES_PER_BATCH
+    from stepwatch_server.settings import MAX_BATCH_BYTES
+
+    text = DOC.read_text()
+    assert MAX_BATCH_BYTES == 16 * 1024 * 1024 and "**16 MiB**" in text
+    assert f"{MAX_VALUES_PER_BATCH:,}" in text

@@ -160,6 +160,8 @@ def test_wire_size_limit(start_collector: Callable[..., Collector]) -> None:
     assert len(body) > 64 * 1024
     response = collector.post(body)
     assert response.status_code == 413 and "on the wire" in response.json()["error"]["message"]
+    chunked = collector.http.post("/api/v1/ingest", content=iter([body[i:i + 8192] for i in range(0, len(body), 8192)]))
+    assert chunked.status_code == 413 and "on the wire" in chunked.json()["error"]["message"]
     response = collector.post(gzip.compress(body), headers={"Content-Encoding": "gzip"})
     assert response.status_code == 413 and "after decompression" in response.json()["error"]["message"]
     assert collector.counts()["points"] == 0

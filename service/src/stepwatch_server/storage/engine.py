@@ -44,6 +44,9 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         database = parsed.database or ""
         if database and database != ":memory:" and not database.startswith("file:"):
             Path(database).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
+        # Readers run in the thread pool (40 threads): give them connections instead of pool waits.
+        kwargs.setdefault("pool_size", 20)
+        kwargs.setdefault("max_overflow", 20)
         engine = create_engine(url, connect_args={"check_same_thread": False}, **kwargs)
         _configure_sqlite(engine)
         return engine
