@@ -444,6 +444,22 @@ def report(out: dict[str, Any], args: argparse.Namespace) -> None:
                 f"\nstepwatch overhead / cheapest other tool ({cheapest}) overhead: "
                 f"{agent:.3f} / {tools[cheapest]:.3f} ms = {out['ratio']:.3f}  (target < 0.2)"
             )
+        if "values-only" in results:
+            # Stricter: only the tools' own logging calls, without computing the values they are given.
+            base = results["values-only"]["overhead_ms"]
+            calls = {n: ms - base for n, ms in tools.items()}
+            cheapest_call = min(calls, key=calls.__getitem__)
+            out["log_call_only_ms"] = calls
+            print(
+                "the tools' logging call alone (overhead - values-only): "
+                + ", ".join(f"{n} {ms:.3f} ms" for n, ms in calls.items())
+            )
+            if calls[cheapest_call] > 0:
+                out["ratio_vs_log_call_only"] = agent / calls[cheapest_call]
+                print(
+                    f"stepwatch overhead / cheapest logging call alone ({cheapest_call}): "
+                    f"{out['ratio_vs_log_call_only']:.3f}"
+                )
         pct = results["stepwatch"]["overhead_pct"]
         print(f"stepwatch overhead: {pct:.2f}% of the bare median step (target < 2%)")
     print(f"measured in {out['elapsed_s']:.0f} s")
