@@ -66,6 +66,13 @@ def _cuda_times(rec: StepRecord, m: dict[str, float | None]) -> None:
     m["time.optimizer_ms"] = opt_start.elapsed_time(end) if opt_start is not None else None
 
 
+def _amax(low: float, high: float) -> float | None:
+    """max |x| from the device's (min, max); NaN stays NaN; None when the module did not run."""
+    if low != low or high != high:
+        return math.nan
+    return None if low > high else max(-low, high)
+
+
 def _nonfinite(v: float | None) -> int | None:
     return None if v is None else int(not math.isfinite(v))
 
@@ -97,15 +104,16 @@ class Decoder:
             for name in rec.log_names:
                 m[name] = seg[k]
                 k += 1
-            amax = seg[k : k + len(rec.amax_names)]
-            k += len(amax)
+            pairs = seg[k : k + 2 * len(rec.amax_names)]
+            k += len(pairs)
+            amax = [_amax(low, high) for low, high in zip(pairs[::2], pairs[1::2], strict=True)]
             grads = seg[k : k + len(rec.grad_names)]
             k += len(grads)
             row = Row(rec.step, rec.ts, m)
             if rec.fingerprint:
                 w = [int(x) for x in seg[k : k + 4]]
                 row.fingerprint = f"{mix64(w[0] | w[1] << 16 | w[2] << 32 | w[3] << 48):016x}"
-            bad = [j for j, a in enumerate(amax) if not math.isfinite(a)]
+            bad = [j for j, a in enumerate(amax) if a is not None and not math.isfinite(a)]
             flags = {
                 "activations": int(bool(bad)) if amax else None,
                 "loss": _nonfinite(m.get("loss")),
@@ -115,9 +123,7 @@ class Decoder:
                 m[f"nonfinite.{where}"] = flag
             where_bad = [w for w, f in flags.items() if f]
             if rec.ship_amax or bad:
-                row.amax = {
-                    n: (a if a >= 0 or a != a else None) for n, a in zip(rec.amax_names, amax, strict=True)
-                }
+                row.amax = dict(zip(rec.amax_names, amax, strict=True))
             if rec.grad_names:
                 row.grads = dict(zip(rec.grad_names, grads, strict=True))
             if where_bad and not self._in_nonfinite:

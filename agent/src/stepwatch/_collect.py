@@ -8,7 +8,6 @@ Timings: host `perf_counter` on CPU; CUDA events on GPU, read by the sender once
 from __future__ import annotations
 
 import logging
-import math
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -64,7 +63,7 @@ class _Step:
     )
 
     def __init__(self, n_amax: int) -> None:
-        self.amax: list[torch.Tensor | None] = [None] * n_amax
+        self.amax: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_amax
         self.hook: dict[str, torch.Tensor] = {}  # device values from the hooks (loss, grad_norm, lr)
         self.logs: dict[str, torch.Tensor] = {}  # device values from watch.log()
         self.host: dict[str, float | None] = {}  # host values: CPU timings, numbers, memory
@@ -97,7 +96,8 @@ class Collector:
         self._fingerprint = Fingerprinter(model)
         self._slots: dict[str, int] = {}  # tracked module -> index in first-seen forward order
         self._order: list[str] = []
-        self._missing = torch.full((1,), -1.0, device=self.device)  # amax of a module that did not run
+        # (min, max) of a module that did not run this step: min > max marks it missing.
+        self._missing = (torch.ones(1, device=self.device), -torch.ones(1, device=self.device))
         self._step = 0
         self._cur = _Step(0)
         self._done: tuple[_Step, int, float, Any, Any] | None = None  # finished step, not yet finalized
@@ -108,6 +108,7 @@ class Collector:
         self._paused = 0
         self._handles: list[Any] = []
         self._bad_names: set[str] = set()
+        self._params: list[torch.Tensor] = []
         tracked = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
         named = dict(model.named_modules())
         tracked.update({n: named[n] for n in config.track})
@@ -144,10 +145,13 @@ class Collector:
                     slot = self._slots[name] = len(self._order)
                     self._order.append(name)
                     self._cur.amax.append(None)
-                # amax of |x|: a NaN or Inf anywhere in the output propagates into it.
-                value = torch.linalg.vector_norm(out.detach(), math.inf).reshape(1)
+                # min and max in one pass (NaN propagates into both); the host takes amax = max(-min, max).
+                # Cheaper than vector_norm(x, inf) on CPU, and no extra kernels for abs/neg.
+                low, high = torch.aminmax(out.detach())
                 old = self._cur.amax[slot]
-                self._cur.amax[slot] = value if old is None else torch.maximum(old, value)
+                if old is not None:
+                    low, high = torch.minimum(old[0], low), torch.maximum(old[1], high)
+                self._cur.amax[slot] = (low.reshape(1), high.reshape(1))
             except Exception as exc:
                 self.guard.fail("amax", exc)
 
@@ -211,15 +215,17 @@ class Collector:
 
     def _grads(self, cur: _Step) -> None:
         try:
-            params = [
-                p
-                for g in self.optimizer.param_groups
-                for p in g["params"]
-                if p.grad is not None and not p.grad.is_sparse
-            ]
-            if not params:
+            count = sum(len(g["params"]) for g in self.optimizer.param_groups)
+            if len(self._params) != count:  # first step, or add_param_group() since
+                self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            params, grads = [], []
+            for p in self._params:
+                grad = p.grad
+                if grad is not None and not grad.is_sparse:
+                    params.append(p)
+                    grads.append(local(grad))
+            if not grads:
                 return
-            grads = [local(p.grad) for p in params]
             # One fused reduction over all gradients; float32 so that fp16 norms do not overflow.
             norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
             cur.hook["grad_norm"] = torch.linalg.vector_norm(norms).reshape(1)
@@ -287,7 +293,8 @@ class Collector:
         parts.extend(cur.logs.values())
         if any(v is not None for v in cur.amax):
             rec.amax_names = tuple(self._order[: len(cur.amax)])
-            parts.extend(self._missing if v is None else v for v in cur.amax)
+            for pair in cur.amax:
+                parts.extend(self._missing if pair is None else pair)
             rec.ship_amax = step % self.config.amax_every == 0
         if cur.grad_norms is not None:
             parts.append(cur.grad_norms[0])

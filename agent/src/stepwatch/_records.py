@@ -18,7 +18,7 @@ class Live:
 @dataclass(slots=True)
 class StepRecord:
     """One finished step. Its device values are a segment of a chunk's host tensor, in this order:
-    `hook_names` scalars, `log_names` scalars, one amax per `amax_names` (-1 = module did not run),
+    `hook_names` scalars, `log_names` scalars, (min, max) of each of `amax_names` (min > max: it did not run),
     one grad norm per `grad_names`, then 4 float 16-bit words of the fingerprint when `fingerprint`."""
 
     step: int
