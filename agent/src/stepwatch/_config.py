@@ -82,11 +82,9 @@ def _int(name: str, value: Any, minimum: int) -> int:
     return value
 
 
-def _seconds(name: str, value: Any, minimum: float = 0.0) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > minimum:
-        raise ValueError(f"stepwatch: option {name}={value!r} must be a number of seconds > {minimum}")
-    if value != value or value == float("inf"):
-        raise ValueError(f"stepwatch: option {name}={value!r} must be a finite number of seconds")
+def _positive(name: str, value: Any, unit: str = "seconds") -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
+        raise ValueError(f"stepwatch: option {name}={value!r} must be a finite number of {unit} > 0")
     return float(value)
 
 
@@ -146,9 +144,9 @@ def build_config(
         kw["track"] = tuple(track)
     for name in ("flush_interval_s", "heartbeat_interval_s", "timeout_s"):
         if name in options:
-            kw[name] = _seconds(name, options[name])
+            kw[name] = _positive(name, options[name])
     if "max_spool_mb" in options:
-        kw["max_spool_mb"] = _seconds("max_spool_mb", options["max_spool_mb"])
+        kw["max_spool_mb"] = _positive("max_spool_mb", options["max_spool_mb"], "MiB")
     if "spool_dir" in options:
         spool = options["spool_dir"]
         if not isinstance(spool, str | os.PathLike) or not str(spool):
