@@ -61,12 +61,6 @@ def jsonable(arr: np.ndarray, decimals: int) -> list[list[Any]]:
     return out
 
 
-def _json_value(v: float) -> float | str:
-    if math.isfinite(v):
-        return v
-    return "NaN" if v != v else _NONFINITE[v]
-
-
 @dataclass
 class _Rank:
     rank: int
@@ -122,6 +116,10 @@ class Batcher:
         lr = ch.lr.tolist()
         regular = (ch.steps % scn.amax_every == 0) if scn.amax_every else np.zeros(ch.n, dtype=bool)
         tmask = regular[:, None] | ~np.isfinite(ch.amax).all(axis=2)
+        rows_any = np.flatnonzero(tmask.any(axis=1))
+        # (rows, R, M) -> R x M lists over the rows that any rank ships
+        amax_cols = [jsonable(ch.amax[rows_any, :, m], 4) for m in range(len(scn.modules))]
+        amax_at = {int(row): j for j, row in enumerate(rows_any.tolist())}
         events_by_rank: dict[int, list[tuple[int, str, dict[str, Any]]]] = {}
         for row, r, kind, data in ch.events:
             events_by_rank.setdefault(r, []).append((row, kind, data))
@@ -131,7 +129,10 @@ class Batcher:
             r = st.rank
             ends: list[float] = ts_cols[r]
             self._queue_events(st, ch, ends, events_by_rank.get(r, ()))
-            per_rank = _RankChunk(scn, st, ch, cols, ends, steps, lr, np.flatnonzero(tmask[:, r]))
+            amax = [col[r] for col in amax_cols]
+            per_rank = _RankChunk(
+                scn, st, ch, cols, ends, steps, lr, np.flatnonzero(tmask[:, r]), amax, amax_at
+            )
             if hang is None:
                 limit = ends[-1]
             elif r == hang.rank and hang.mode == "dead":
@@ -147,7 +148,9 @@ class Batcher:
             st.next_tick = t
             if hang is None:  # the buffer is handed over at the end of the chunk
                 f = ends[-1] + float(rng.uniform(*FLUSH_DELAY_S))
-                out.append((f, r, per_rank.batch(ch.n, f, "data")))
+                pause = scn.pause_after(steps[-1])  # the agent's pause() hands the buffer over
+                phase = pause if pause is not None and f > ends[-1] + PHASE_EVENT_DELAY_S else "data"
+                out.append((f, r, per_rank.batch(ch.n, f, phase)))
                 st.next_tick = f + scn.flush_interval_s * float(rng.uniform(*TICK_JITTER))
             st.prev_end = ends[-1]
             st.last_step = steps[-1]
@@ -196,7 +199,7 @@ class _RankChunk:
 
     def __init__(
         self, scn: Scenario, st: _Rank, ch: Chunk, cols: dict[str, list[list[Any]]], ends: list[float], steps: list[int],
-        lr: list[float], trows: np.ndarray,
+        lr: list[float], trows: np.ndarray, amax: list[list[Any]], amax_at: dict[int, int],
     ) -> None:  # fmt: skip
         self.scn, self.st, self.ch, self.cols, self.ends, self.steps, self.lr = (
             scn,
@@ -208,6 +211,7 @@ class _RankChunk:
             lr,
         )
         self.trows = trows.tolist()
+        self.amax, self.amax_at = amax, amax_at
         self.fp_rows = ch.fp_rows.tolist()
         self.sent = 0
 
@@ -224,12 +228,16 @@ class _RankChunk:
             b["metrics"] = metrics
             trows = [j for j in self.trows if i <= j < k]
             if trows:
-                amax = ch.amax[trows, r, :]
+                at = [self.amax_at[j] for j in trows]
                 b["tensors"] = {
                     "steps": [self.steps[j] for j in trows],
-                    "stats": {"amax": {m: [_json_value(round(float(v), 4)) for v in amax[:, c]]
-                                       for c, m in enumerate(self.scn.modules)}},
-                }  # fmt: skip
+                    "stats": {
+                        "amax": {
+                            m: [col[a] for a in at]
+                            for m, col in zip(self.scn.modules, self.amax, strict=True)
+                        }
+                    },
+                }
             fps = [j for j in self.fp_rows if i <= j < k]
             if fps:
                 salt = ch.fp_salt.get(r, "")

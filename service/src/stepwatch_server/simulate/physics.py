@@ -183,15 +183,9 @@ class CleanPhysics:
         pause_kind: list[str | None] = [None] * n
         events: list[tuple[int, int, str, dict[str, Any]]] = []
         for i, s in enumerate(steps.tolist()):
-            prev = s - 1
-            if prev < 1:
-                continue
-            kind = None
-            if scn.ckpt_every and prev % scn.ckpt_every == 0:
-                kind, length_s = "checkpoint", scn.ckpt_s
-            elif scn.eval_every and prev % scn.eval_every == 0:
-                kind, length_s = "eval", scn.eval_s
+            kind = scn.pause_after(s - 1)
             if kind is not None:
+                length_s = scn.ckpt_s if kind == "checkpoint" else scn.eval_s
                 pause_ms[i] = length_s * 1000.0 * rng.uniform(0.9, 1.1)
                 pause_kind[i] = kind
         data += pause_ms[:, None]

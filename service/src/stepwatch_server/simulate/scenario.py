@@ -303,6 +303,16 @@ class Scenario:
     def hang(self) -> Hang | None:
         return next((f for f in self.faults if isinstance(f, Hang)), None)
 
+    def pause_after(self, step: int) -> str | None:
+        """The known pause ("checkpoint" or "eval") that follows `step`, if any."""
+        if step < 1 or step >= self.last_step:
+            return None
+        if self.ckpt_every and step % self.ckpt_every == 0:
+            return "checkpoint"
+        if self.eval_every and step % self.eval_every == 0:
+            return "eval"
+        return None
+
     def node_of(self, rank: int) -> str:
         return node_name(rank // self.ranks_per_node)
 
