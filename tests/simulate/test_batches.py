@@ -184,3 +184,11 @@ def test_deterministic_from_seed() -> None:
     other = Scenario("det", world_size=8, steps=400, seed=12, faults=(NonFinite(200, ranks=(1,)),))
     assert digest(short) != digest(other)
     assert scn.labels == SCENARIOS["nonfinite_act_8"].labels
+
+
+def test_batches_are_released_as_they_become_due() -> None:
+    scn = Scenario("wide", world_size=256, steps=150, seed=8, step_ms=200.0, compile_s=1.0)
+    sim = Simulation(scn)
+    n = sum(1 for _ in sim)
+    assert n == sim.batches_sent > 256 * 6
+    assert sim.max_pending <= 2 * scn.world_size  # held back across chunks: about one per rank, never the run

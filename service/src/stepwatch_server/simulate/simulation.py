@@ -30,7 +30,7 @@ class Simulation:
         self.step_ts = np.full(scenario.last_step + 1, np.nan)  # index = step
         self._onsets: dict[int, float] = {}
         self.batches_sent = 0
-        self.max_pending = 0  # most batches held back for ordering at once (bounded by a chunk's worth)
+        self.max_pending = 0  # most batches held back across a chunk boundary (about one per rank)
 
     @property
     def labels(self) -> tuple[Label, ...]:
@@ -79,12 +79,12 @@ class Simulation:
             for ts, rank, batch in batcher.emit(ch, final=final):
                 heapq.heappush(heap, (ts, rank, tie, batch))
                 tie += 1
-            self.max_pending = max(self.max_pending, len(heap))
             assert ch.end_ts is not None
             watermark = float("inf") if final else float(ch.end_ts[-1].min())
             while heap and heap[0][0] <= watermark:
                 self.batches_sent += 1
                 yield heapq.heappop(heap)[3]
+            self.max_pending = max(self.max_pending, len(heap))
 
 
 def generate(scenario: Scenario) -> Iterator[dict[str, Any]]:
