@@ -66,11 +66,12 @@ def metric_names(n: int) -> list[str]:
 
 
 def make_batch(
-    args: argparse.Namespace, run: str, rank: int, rng: random.Random
+    args: argparse.Namespace, run: str, rank: int, session: str, seq: int, rng: random.Random
 ) -> tuple[dict[str, Any], int]:
-    """One rank's batch as the agent would send it, and how many values it carries."""
-    steps = list(range(args.first_step, args.first_step + args.steps))
-    t0 = 1_764_427_200.0 + args.first_step
+    """Batch `seq` of one rank's agent session, as the agent would send it, and its number of values."""
+    first = args.first_step + seq * args.steps
+    steps = list(range(first, first + args.steps))
+    t0 = 1_764_427_200.0 + first
     metrics = {name: [rng.uniform(0.0, 10.0) for _ in steps] for name in metric_names(args.metrics)}
     tensor_steps = [s for s in steps if s % AMAX_EVERY == 0]
     amax = {f"layers.{i // 4}.{('qkv', 'proj', 'fc1', 'fc2')[i % 4]}": [rng.uniform(0, 50) for _ in tensor_steps]
@@ -78,8 +79,8 @@ def make_batch(
     batch = {
         "schema": 1,
         "run": run,
-        "session": uuid.uuid4().hex,
-        "seq": 0,
+        "session": session,
+        "seq": seq,
         "rank": rank,
         "local_rank": rank % 8,
         "world_size": args.ranks,
@@ -94,11 +95,14 @@ def make_batch(
     return batch, len(steps) * len(metrics) + len(tensor_steps) * len(amax)
 
 
-def build_bodies(args: argparse.Namespace, run: str, seed: int) -> tuple[list[bytes], int]:
-    rng = random.Random(seed)
+def build_bodies(
+    args: argparse.Namespace, run: str, sessions: list[str], seq: int
+) -> tuple[list[bytes], int]:
+    """Batch `seq` of every rank: the next `--steps` steps of a running job."""
+    rng = random.Random(seq)
     bodies, values = [], 0
     for rank in range(args.ranks):
-        batch, n = make_batch(args, run, rank, rng)
+        batch, n = make_batch(args, run, rank, sessions[rank], seq, rng)
         bodies.append(gzip.compress(json.dumps(batch, separators=(",", ":")).encode(), compresslevel=6))
         values += n
     return bodies, values
@@ -144,15 +148,16 @@ def send_all(url: str, bodies: list[bytes], senders: int) -> tuple[float, int, l
 
 
 def raw_rows(
-    args: argparse.Namespace, series_ids: list[int], amax_ids: list[int], seed: int
+    args: argparse.Namespace, series_ids: list[int], amax_ids: list[int], seq: int
 ) -> list[list[Any]]:
     """The value rows of `--ranks` batches, in the form `insert_points()` takes natively (tuples in
     POINT_COLUMNS order when the store defines them, else dicts), so that no conversion is timed."""
     from stepwatch_server.ingest import store
 
     columns = getattr(store, "POINT_COLUMNS", None)
-    rng = random.Random(seed)
-    steps = list(range(args.first_step, args.first_step + args.steps))
+    rng = random.Random(seq)
+    first = args.first_step + seq * args.steps
+    steps = list(range(first, first + args.steps))
     tensor_steps = [s for s in steps if s % AMAX_EVERY == 0]
     per_batch = []
     for rank in range(args.ranks):
@@ -263,11 +268,15 @@ def bench_backend(backend: str, args: argparse.Namespace, tmp: Path) -> dict[str
         print(f"[{backend}] collector at {rx.url}, database {url}", flush=True)
         engine = make_engine(url)
         try:
-            for r in range(args.repeats):
+            # One job of --ranks ranks, one agent session per rank: round r is everyone's batch r
+            # (the next --steps steps). Round 0 (first batches: runs, sessions, ranks, series are
+            # created) is a warm-up and not counted; later rounds are the steady state.
+            sessions = [uuid.uuid4().hex for _ in range(args.ranks)]
+            series_ids, amax_ids = make_series(engine, "bench-raw", args)
+            for r in range(args.warmup + args.repeats):
                 # Build both workloads first; the clock runs only around the sending / inserting.
-                bodies, expected = build_bodies(args, f"bench-http-{r}", seed=r)
-                series_ids, amax_ids = make_series(engine, f"bench-raw-{r}", args)
-                per_batch = raw_rows(args, series_ids, amax_ids, seed=r)
+                bodies, expected = build_bodies(args, "bench-http", sessions, seq=r)
+                per_batch = raw_rows(args, series_ids, amax_ids, seq=r)
                 raw_values = sum(len(rows) for rows in per_batch)
                 wire_mb = sum(len(b) for b in bodies) / 2**20
 
@@ -280,10 +289,12 @@ def bench_backend(backend: str, args: argparse.Namespace, tmp: Path) -> dict[str
                 http_rate = stored / elapsed
                 raw_s = insert_all(engine, per_batch, args.senders)
                 raw_rate = raw_values / raw_s
-                out["http_values_per_s"].append(http_rate)
-                out["raw_values_per_s"].append(raw_rate)
+                if r >= args.warmup:
+                    out["http_values_per_s"].append(http_rate)
+                    out["raw_values_per_s"].append(raw_rate)
+                label = "warm-up" if r < args.warmup else f"repeat {r + 1 - args.warmup}/{args.repeats}"
                 print(
-                    f"[{backend}] repeat {r + 1}/{args.repeats}: http {stored} values in {elapsed:.2f} s "
+                    f"[{backend}] {label}: http {stored} values in {elapsed:.2f} s "
                     f"= {http_rate:,.0f}/s ({len(bodies)} batches, {wire_mb:.1f} MiB gzip); "
                     f"raw {raw_values} values in {raw_s:.2f} s = {raw_rate:,.0f}/s",
                     flush=True,
@@ -303,7 +314,10 @@ def bench_backend(backend: str, args: argparse.Namespace, tmp: Path) -> dict[str
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--repeats", type=int, default=3, help="alternating http/raw rounds (default %(default)s)"
+        "--repeats", type=int, default=5, help="alternating http/raw rounds (default %(default)s)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="rounds not counted first (default %(default)s)"
     )
     parser.add_argument(
         "--ranks", type=int, default=512, help="batches per round, one per rank (default %(default)s)"
