@@ -16,7 +16,9 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
-POSTGRES_URL = os.environ.get("STEPWATCH_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+POSTGRES_URL = os.environ.get(
+    "STEPWATCH_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
 
 
 def require(condition: bool, reason: str) -> None:

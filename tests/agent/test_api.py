@@ -220,3 +220,22 @@ def test_internal_error_is_contained_logged_once_and_counted(
     records = receiver.records()
     assert sorted(records) == [1, 2, 3, 4, 5]  # the rest keeps working
     assert all("loss" not in r and r["grad_norm"] > 0 for r in records.values())
+
+
+def test_resumed_optimizer_state_continues_the_step_count(receiver: Receiver, fast: dict[str, Any]) -> None:
+    """An Adam restored from a checkpoint of step 30 makes the next record step 31; start_step overrides."""
+    model, _ = make_model()
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    train(model, adam, 30)  # "the checkpointed run"
+    restored = torch.optim.Adam(model.parameters(), lr=1e-3)
+    restored.load_state_dict(adam.state_dict())
+
+    watch = stepwatch.attach(model, restored, run="resumed", url=receiver.url, **fast)
+    train(model, restored, 5, watch)
+    watch.close()
+    assert receiver.steps() == [31, 32, 33, 34, 35]
+
+    explicit = stepwatch.attach(model, restored, run="resumed-explicit", url=receiver.url, start_step=99, **fast)
+    train(model, restored, 2, explicit)
+    explicit.close()
+    assert [s for s in receiver.steps() if s > 35] == [100, 101]

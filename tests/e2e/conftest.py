@@ -54,8 +54,8 @@ class Collector:
         cmd += ["--database-url", self.database_url]
         if self.token:
             cmd += ["--token", self.token]
-        log = self.log_path.open("ab")
-        self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        with self.log_path.open("ab") as log:  # the child keeps its own copy of the descriptor
+            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -52,7 +52,10 @@ def table_counts(url: str) -> dict[str, int]:
     engine = create_engine(url)
     try:
         with engine.connect() as conn:
-            return {t.name: int(conn.execute(select(func.count()).select_from(t)).scalar_one()) for t in ALL_TABLES}
+            return {
+                t.name: int(conn.execute(select(func.count()).select_from(t)).scalar_one())
+                for t in ALL_TABLES
+            }
     finally:
         engine.dispose()
 
@@ -126,10 +129,24 @@ def make_batch(**overrides: Any) -> dict[str, Any]:
     return batch
 
 
-def steps_batch(run: str, session: str, seq: int, steps: list[int], rank: int = 0, world_size: int = 1,
-                **metrics: list[Any]) -> dict[str, Any]:
+def steps_batch(
+    run: str,
+    session: str,
+    seq: int,
+    steps: list[int],
+    rank: int = 0,
+    world_size: int = 1,
+    **metrics: list[Any],
+) -> dict[str, Any]:
     """A minimal batch with the given steps and metrics."""
     return {
-        "schema": 1, "run": run, "session": session, "seq": seq, "rank": rank, "world_size": world_size,
-        "steps": steps, "timestamps": [1_764_427_200.0 + s for s in steps], "metrics": metrics,
+        "schema": 1,
+        "run": run,
+        "session": session,
+        "seq": seq,
+        "rank": rank,
+        "world_size": world_size,
+        "steps": steps,
+        "timestamps": [1_764_427_200.0 + s for s in steps],
+        "metrics": metrics,
     }

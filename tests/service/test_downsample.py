@@ -31,5 +31,7 @@ def test_every_bucket_keeps_its_min_and_max() -> None:
 
 
 def test_mean_over_ranks() -> None:
-    steps, mean = mean_over_ranks([np.array([1, 2, 3]), np.array([2, 3])], [np.array([1.0, 2.0, 3.0]), np.array([4.0, 5.0])])
+    steps, mean = mean_over_ranks(
+        [np.array([1, 2, 3]), np.array([2, 3])], [np.array([1.0, 2.0, 3.0]), np.array([4.0, 5.0])]
+    )
     assert steps.tolist() == [1, 2, 3] and mean.tolist() == [1.0, 3.0, 4.0]

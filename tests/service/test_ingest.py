@@ -38,27 +38,35 @@ def test_valid_batch_is_stored_and_every_value_comes_back(collector: Collector) 
         ("layers.0.mlp.fc1", 3): ([1, 3], [12.5, "NaN"]),
         ("layers.0.mlp.fc2", 3): ([1, 3], [3.1, 3.4]),
     }
-    one = collector.get(f"/api/v1/runs/{run}/tensors", stat="grad_norm", name="layers.0.mlp.fc1.weight", rank="3")
-    assert one["series"] == [{"name": "layers.0.mlp.fc1.weight", "rank": 3, "steps": [1, 3],
-                              "values": [0.42, "Infinity"]}]
+    one = collector.get(
+        f"/api/v1/runs/{run}/tensors", stat="grad_norm", name="layers.0.mlp.fc1.weight", rank="3"
+    )
+    assert one["series"] == [
+        {"name": "layers.0.mlp.fc1.weight", "rank": 3, "steps": [1, 3], "values": [0.42, "Infinity"]}
+    ]
 
     steps = collector.get(f"/api/v1/runs/{run}/steps")
     assert steps["series"] == [{"rank": 3, "steps": [1, 2, 3], "timestamps": batch["timestamps"]}]
     fps = collector.get(f"/api/v1/runs/{run}/fingerprints")
-    assert fps["series"] == [{"rank": 3, "replica_group": 3, "shard": 0, "steps": [3],
-                              "values": ["9c1f00d2aa13e4b7"]}]
+    assert fps["series"] == [
+        {"rank": 3, "replica_group": 3, "shard": 0, "steps": [3], "values": ["9c1f00d2aa13e4b7"]}
+    ]
     events = collector.get(f"/api/v1/runs/{run}/events")["events"]
     assert [(e["step"], e["ts"], e["kind"], e["data"]) for e in events] == [
         (e["step"], e["ts"], e["kind"], e["data"]) for e in batch["events"]
     ]
-    assert [e["kind"] for e in collector.get(f"/api/v1/runs/{run}/events", kind="phase_end")["events"]] == ["phase_end"]
+    assert [e["kind"] for e in collector.get(f"/api/v1/runs/{run}/events", kind="phase_end")["events"]] == [
+        "phase_end"
+    ]
 
     detail = collector.get(f"/api/v1/runs/{run}")
     assert detail["name"] == run and detail["world_size"] == 8 and detail["last_step"] == 3
     assert detail["ranks"] == 1 and detail["restarts"] == []
     assert detail["metrics"] == sorted(batch["metrics"])
-    assert detail["tensors"] == {"amax": ["layers.0.mlp.fc1", "layers.0.mlp.fc2"],
-                                 "grad_norm": ["layers.0.mlp.fc1.weight"]}
+    assert detail["tensors"] == {
+        "amax": ["layers.0.mlp.fc1", "layers.0.mlp.fc2"],
+        "grad_norm": ["layers.0.mlp.fc1.weight"],
+    }
     runs = collector.get("/api/v1/runs")["runs"]
     assert [(r["name"], r["ranks"], r["last_step"]) for r in runs] == [(run, 1, 3)]
 
@@ -69,15 +77,20 @@ def test_valid_batch_is_stored_and_every_value_comes_back(collector: Collector) 
     assert state["last_step"] == 3 and state["phase"] == "data" and state["incarnation"] == 1
     assert state["median_step_ms"] == pytest.approx(110.2)
     assert state["last_heartbeat_at"].startswith("2025-11-29T14:41:01")
-    assert state["agent"] == {"version": "0.1.0", "counters": {"dropped_buffer_full": 0, "spooled_batches": 0}}
+    assert state["agent"] == {
+        "version": "0.1.0",
+        "counters": {"dropped_buffer_full": 0, "spooled_batches": 0},
+    }
 
 
 def test_gzip_body_is_accepted(collector: Collector) -> None:
     batch = make_batch()
     import orjson
 
-    response = collector.post(gzip.compress(orjson.dumps(batch)),
-                              headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+    response = collector.post(
+        gzip.compress(orjson.dumps(batch)),
+        headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+    )
     assert response.status_code == 200, response.text
     assert response.json()["rows"] == 24
 
@@ -120,7 +133,9 @@ def test_resumed_run_is_a_new_incarnation_and_latest_values_win(collector: Colle
 
 def test_session_id_of_another_rank_is_rejected(collector: Collector) -> None:
     session = uuid.uuid4().hex
-    assert collector.post(steps_batch("r", session, 0, [1], rank=0, world_size=2, loss=[1.0])).status_code == 200
+    assert (
+        collector.post(steps_batch("r", session, 0, [1], rank=0, world_size=2, loss=[1.0])).status_code == 200
+    )
     before = collector.counts()
     r = collector.post(steps_batch("r", session, 1, [1], rank=1, world_size=2, loss=[1.0]))
     assert r.status_code == 422 and r.json()["error"]["field"] == "session"

@@ -18,7 +18,9 @@ from tests.service.conftest import BACKENDS, Collector, fresh_database, make_bat
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
-def populated(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Collector]:
+def populated(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Collector]:
     """One collector per backend that already holds a batch, so 'unchanged' is not trivially true."""
     with fresh_database(str(request.param), tmp_path_factory.mktemp("db")) as url:
         collector = Collector(url)
@@ -31,6 +33,7 @@ def populated(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
     """A mutation that sets (or with ... deletes) the value at a dotted path with [i] indices."""
+
     def mutate(batch: dict[str, Any]) -> None:
         target: Any = batch
         parts = path.replace("[", ".[").split(".")
@@ -41,12 +44,14 @@ def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
             del target[keys[-1]]
         else:
             target[keys[-1]] = value
+
     return mutate
 
 
 def _tensor(name: str, value: Any) -> Callable[[dict[str, Any]], None]:
     def mutate(batch: dict[str, Any]) -> None:
         batch["tensors"]["stats"]["amax"][name] = value
+
     return mutate
 
 
@@ -61,45 +66,80 @@ CASES: list[tuple[str, Callable[[dict[str, Any]], None], int, str | None, str]] 
     ("missing-session", _set("session", ...), 422, "session", "missing"),
     ("missing-steps", _set("steps", ...), 422, "steps", "missing"),
     ("missing-timestamps", _set("timestamps", ...), 422, "timestamps", "missing"),
-    ("schema-unknown", _set("schema", 2), 422, "schema", "unsupported version 2; this collector speaks schema 1"),
+    (
+        "schema-unknown",
+        _set("schema", 2),
+        422,
+        "schema",
+        "unsupported version 2; this collector speaks schema 1",
+    ),
     ("schema-missing", _set("schema", ...), 422, "schema", "missing"),
     ("unknown-field", _set("metric", {}), 422, "metric", "unknown field"),
     ("run-bad-chars", _set("run", "my run!"), 422, "run", "invalid run name"),
     ("session-short", _set("session", "abc"), 422, "session", "invalid session id"),
     ("metrics-not-object", _set("metrics", [1, 2, 3]), 422, "metrics", "expected an object, got an array"),
-    ("value-string", _set("metrics.loss[1]", "high"), 422, "metrics.loss[1]",
-     'expected a number, "NaN", "Infinity", "-Infinity" or null, got the string'),
+    (
+        "value-string",
+        _set("metrics.loss[1]", "high"),
+        422,
+        "metrics.loss[1]",
+        'expected a number, "NaN", "Infinity", "-Infinity" or null, got the string',
+    ),
     ("value-bool", _set("metrics.loss[0]", False), 422, "metrics.loss[0]", "got a boolean"),
     ("value-object", _set("metrics.lr[2]", {"v": 1}), 422, "metrics.lr[2]", "got an object"),
     ("value-lowercase-nan", _set("metrics.loss[2]", "nan"), 422, "metrics.loss[2]", "got the string 'nan'"),
     ("metric-not-array", _set("metrics.loss", 2.3), 422, "metrics.loss", "expected an array, got a number"),
-    ("ragged-metric", _set("metrics.loss", [1.0, 2.0]), 422, "metrics.loss",
-     "has 2 values but steps has 3"),
+    ("ragged-metric", _set("metrics.loss", [1.0, 2.0]), 422, "metrics.loss", "has 2 values but steps has 3"),
     ("ragged-timestamps", _set("timestamps", [1.0]), 422, "timestamps", "has 1 values but steps has 3"),
-    ("ragged-tensor", _tensor("layers.0.mlp.fc2", [1.0]), 422, "tensors.stats.amax.layers.0.mlp.fc2",
-     "has 1 values but tensors.steps has 2"),
+    (
+        "ragged-tensor",
+        _tensor("layers.0.mlp.fc2", [1.0]),
+        422,
+        "tensors.stats.amax.layers.0.mlp.fc2",
+        "has 1 values but tensors.steps has 2",
+    ),
     ("bad-metric-name", _set("metrics", {"bad name": [1, 2, 3]}), 422, "metrics.bad name", "invalid name"),
     ("steps-not-increasing", _set("steps", [1, 3, 2]), 422, "steps[2]", "strictly increasing: 2 follows 3"),
     ("steps-negative", _set("steps", [-1, 2, 3]), 422, "steps[0]", "between 0 and"),
     ("steps-bool", _set("steps", [1, True, 3]), 422, "steps[1]", "got a boolean"),
     ("timestamp-nan", _set("timestamps[1]", "NaN"), 422, "timestamps[1]", "finite"),
-    ("tensor-steps-not-subset", _set("tensors.steps", [1, 4]), 422, "tensors.steps[1]",
-     "step 4 is not in the batch's steps"),
-    ("fingerprint-not-hex", _set("fingerprints.values", ["xyz"]), 422, "fingerprints.values[0]",
-     "16 hexadecimal digits"),
+    (
+        "tensor-steps-not-subset",
+        _set("tensors.steps", [1, 4]),
+        422,
+        "tensors.steps[1]",
+        "step 4 is not in the batch's steps",
+    ),
+    (
+        "fingerprint-not-hex",
+        _set("fingerprints.values", ["xyz"]),
+        422,
+        "fingerprints.values[0]",
+        "16 hexadecimal digits",
+    ),
     ("event-kind", _set("events[1].kind", "party"), 422, "events[1].kind", "expected one of"),
     ("event-step-missing", _set("events[0].step", ...), 422, "events[0].step", "missing"),
     ("heartbeat-ts-string", _set("heartbeat.ts", "now"), 422, "heartbeat.ts", "expected a number"),
-    ("counter-negative", _set("agent.counters.spooled_batches", -2), 422, "agent.counters.spooled_batches",
-     "must be >= 0"),
+    (
+        "counter-negative",
+        _set("agent.counters.spooled_batches", -2),
+        422,
+        "agent.counters.spooled_batches",
+        "must be >= 0",
+    ),
     ("shard-not-below", _set("shard", 1), 422, "shard", "must be < num_shards (1)"),
 ]
 
 
-@pytest.mark.parametrize(("mutate", "status", "field", "words"),
-                         [pytest.param(*case[1:], id=case[0]) for case in CASES])
+@pytest.mark.parametrize(
+    ("mutate", "status", "field", "words"), [pytest.param(*case[1:], id=case[0]) for case in CASES]
+)
 def test_malformed_batch_is_rejected_and_nothing_stored(
-    populated: Collector, mutate: Callable[[dict[str, Any]], None], status: int, field: str | None, words: str,
+    populated: Collector,
+    mutate: Callable[[dict[str, Any]], None],
+    status: int,
+    field: str | None,
+    words: str,
 ) -> None:
     batch = make_batch(run=f"bad-{uuid.uuid4().hex[:8]}")
     mutate(batch)
@@ -119,20 +159,45 @@ RAW_CASES = [
     ("not-an-object", b"[1, 2, 3]", {}, 422, "invalid_field", "must be a JSON object"),
     ("empty", b"", {}, 400, "invalid_json", "not valid JSON"),
     ("bad-gzip", b"\x1f\x8b\x08garbage", {"Content-Encoding": "gzip"}, 400, "invalid_gzip", "not valid gzip"),
-    ("truncated-gzip", gzip.compress(orjson.dumps(make_batch()))[:-12], {"Content-Encoding": "gzip"}, 400,
-     "invalid_gzip", "truncated"),
+    (
+        "truncated-gzip",
+        gzip.compress(orjson.dumps(make_batch()))[:-12],
+        {"Content-Encoding": "gzip"},
+        400,
+        "invalid_gzip",
+        "truncated",
+    ),
     ("brotli", b"{}", {"Content-Encoding": "br"}, 415, "unsupported_media_type", "'br' is not supported"),
-    ("over-16MiB-after-gunzip", gzip.compress(b" " * (MAX_BATCH_BYTES + 1)), {"Content-Encoding": "gzip"}, 413,
-     "too_large", "after decompression"),
-    ("gzip-bomb", gzip.compress(b"0" * (64 * 1024 * 1024), 9), {"Content-Encoding": "gzip"}, 413, "too_large",
-     "after decompression"),
+    (
+        "over-16MiB-after-gunzip",
+        gzip.compress(b" " * (MAX_BATCH_BYTES + 1)),
+        {"Content-Encoding": "gzip"},
+        413,
+        "too_large",
+        "after decompression",
+    ),
+    (
+        "gzip-bomb",
+        gzip.compress(b"0" * (64 * 1024 * 1024), 9),
+        {"Content-Encoding": "gzip"},
+        413,
+        "too_large",
+        "after decompression",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("body", "headers", "status", "code", "words"),
-                         [pytest.param(*case[1:], id=case[0]) for case in RAW_CASES])
+@pytest.mark.parametrize(
+    ("body", "headers", "status", "code", "words"),
+    [pytest.param(*case[1:], id=case[0]) for case in RAW_CASES],
+)
 def test_undecodable_body_is_rejected_and_nothing_stored(
-    populated: Collector, body: bytes, headers: dict[str, str], status: int, code: str, words: str,
+    populated: Collector,
+    body: bytes,
+    headers: dict[str, str],
+    status: int,
+    code: str,
+    words: str,
 ) -> None:
     before = populated.counts()
     response = populated.post(body, headers={"Content-Type": "application/json", **headers})
@@ -144,8 +209,17 @@ def test_undecodable_body_is_rejected_and_nothing_stored(
 
 def test_too_many_values_is_413(populated: Collector) -> None:
     steps = list(range(200_001))
-    batch = {"schema": 1, "run": "big", "session": uuid.uuid4().hex, "seq": 0, "rank": 0, "world_size": 1,
-             "steps": steps, "timestamps": steps, "metrics": {"a": steps, "b": steps, "c": steps, "d": steps}}
+    batch = {
+        "schema": 1,
+        "run": "big",
+        "session": uuid.uuid4().hex,
+        "seq": 0,
+        "rank": 0,
+        "world_size": 1,
+        "steps": steps,
+        "timestamps": steps,
+        "metrics": {"a": steps, "b": steps, "c": steps, "d": steps},
+    }
     before = populated.counts()
     response = populated.post(orjson.dumps(batch))
     assert response.status_code == 413 and "more than 1000000 values" in response.json()["error"]["message"]
@@ -160,7 +234,9 @@ def test_wire_size_limit(start_collector: Callable[..., Collector]) -> None:
     assert len(body) > 64 * 1024
     response = collector.post(body)
     assert response.status_code == 413 and "on the wire" in response.json()["error"]["message"]
-    chunked = collector.http.post("/api/v1/ingest", content=iter([body[i:i + 8192] for i in range(0, len(body), 8192)]))
+    chunked = collector.http.post(
+        "/api/v1/ingest", content=iter([body[i : i + 8192] for i in range(0, len(body), 8192)])
+    )
     assert chunked.status_code == 413 and "on the wire" in chunked.json()["error"]["message"]
     response = collector.post(gzip.compress(body), headers={"Content-Encoding": "gzip"})
     assert response.status_code == 413 and "after decompression" in response.json()["error"]["message"]

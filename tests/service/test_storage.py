@@ -71,7 +71,9 @@ def test_writer_stores_nan_as_the_backend_can(database_url: str) -> None:
     try:
         upgrade(engine)
         writer = BatchWriter(engine)
-        batch = parse_batch(steps_batch("w", uuid.uuid4().hex, 0, [1, 2, 3, 4], x=["NaN", "Infinity", "-Infinity", 2.5]))
+        batch = parse_batch(
+            steps_batch("w", uuid.uuid4().hex, 0, [1, 2, 3, 4], x=["NaN", "Infinity", "-Infinity", 2.5])
+        )
         assert writer.write(batch).rows == 4
         assert writer.write(batch).duplicates == 4
         with engine.connect() as conn:
@@ -106,5 +108,3 @@ def test_constraint_names_follow_the_convention(table: str) -> None:
     t = Base.metadata.tables[table]
     assert t.primary_key.name == f"pk_{table}"
     assert all(fk.name and fk.name.startswith(f"fk_{table}_") for fk in t.foreign_key_constraints)
-
-

@@ -36,6 +36,22 @@ def find_loss(output: Any) -> torch.Tensor | None:
     return None
 
 
+def resumed_step(optimizer: torch.optim.Optimizer) -> int:
+    """Steps the optimizer has already taken: non-zero when its state was restored from a checkpoint.
+
+    Adam-like optimizers keep a per-parameter `step` count. Read once at attach, never on the hot path
+    (for a capturable optimizer on the GPU this is one host-device sync, at attach only).
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            step = optimizer.state.get(p, {}).get("step")
+            if isinstance(step, torch.Tensor) and step.numel() == 1:
+                return max(0, int(step.item()))
+            if isinstance(step, int | float):
+                return max(0, int(step))
+    return 0
+
+
 def first_tensor(output: Any) -> torch.Tensor | None:
     if isinstance(output, torch.Tensor):
         return output
@@ -98,7 +114,7 @@ class Collector:
         self._order: list[str] = []
         # (min, max) of a module that did not run this step: min > max marks it missing.
         self._missing = (torch.ones(1, device=self.device), -torch.ones(1, device=self.device))
-        self._step = 0
+        self._step = config.start_step if config.start_step is not None else resumed_step(optimizer)
         self._cur = _Step(0)
         self._done: tuple[_Step, int, float, Any, Any] | None = None  # finished step, not yet finalized
         self._pending: list[StepRecord] = []

@@ -43,6 +43,7 @@ OPTION_NAMES = (
     "num_shards",
     "timeout_s",
     "enabled",
+    "start_step",
 )
 
 
@@ -65,6 +66,7 @@ class Config:
     shard: int = 0
     num_shards: int = 1
     timeout_s: float = REQUEST_TIMEOUT_S
+    start_step: int | None = None  # None: from the optimizer's own state (a resumed run), else 0
 
     @property
     def ingest_url(self) -> str:
@@ -166,6 +168,8 @@ def build_config(
         raise ValueError(
             f"stepwatch: option shard={kw.get('shard', 0)} must be < num_shards={kw.get('num_shards', 1)}"
         )
+    if options.get("start_step") is not None:
+        kw["start_step"] = _int("start_step", options["start_step"], 0)
     if "enabled" in options and not isinstance(options["enabled"], bool):
         raise ValueError(f"stepwatch: option enabled={options['enabled']!r} must be True or False")
     return Config(run=run, url=url, token=token, **kw)

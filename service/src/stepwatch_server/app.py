@@ -39,7 +39,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await run_in_threadpool(upgrade, engine)
             app.state.engine = engine
             app.state.writer = BatchWriter(engine)
-            log.info("stepwatch collector ready (database %s)", engine.url.render_as_string(hide_password=True))
+            log.info(
+                "stepwatch collector ready (database %s)", engine.url.render_as_string(hide_password=True)
+            )
             yield
         finally:
             engine.dispose()

@@ -13,7 +13,9 @@ DEFAULT_PORT = 8000
 
 def _add_server_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default %(default)s)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default %(default)s; 0 = any free)")
+    parser.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help="port (default %(default)s; 0 = any free)"
+    )
     parser.add_argument(
         "--database-url",
         default=None,
@@ -21,7 +23,9 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
         "(PostgreSQL: postgresql+psycopg://user@host/db)",
     )
     parser.add_argument(
-        "--token", default=None, help="require 'Authorization: Bearer TOKEN' on ingest (default $STEPWATCH_TOKEN)"
+        "--token",
+        default=None,
+        help="require 'Authorization: Bearer TOKEN' on ingest (default $STEPWATCH_TOKEN)",
     )
 
 
@@ -33,14 +37,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_options(serve)
 
     demo = sub.add_parser(
-        "demo", help="run the collector and a real multi-rank CPU training run (torch.distributed, gloo) feeding it"
+        "demo",
+        help="run the collector and a real multi-rank CPU training run (torch.distributed, gloo) feeding it",
     )
     _add_server_options(demo)
     demo.add_argument("--ranks", type=int, default=4, help="training processes (default %(default)s)")
-    demo.add_argument("--steps", type=int, default=3000, help="optimizer steps per rank (default %(default)s)")
+    demo.add_argument(
+        "--steps", type=int, default=3000, help="optimizer steps per rank (default %(default)s)"
+    )
     demo.add_argument("--run", default="demo", help="run name (default %(default)s)")
     demo.add_argument(
-        "--exit-when-done", action="store_true", help="stop the collector when training ends (default: keep serving)"
+        "--exit-when-done",
+        action="store_true",
+        help="stop the collector when training ends (default: keep serving)",
     )
     return parser
 

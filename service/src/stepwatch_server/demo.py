@@ -52,7 +52,11 @@ def train_rank(rank: int, world_size: int, master_port: int, url: str, run: str,
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     torch.manual_seed(0)  # identical initial weights on every replica
     model = torch.nn.Sequential(
-        torch.nn.Linear(32, WIDTH), torch.nn.GELU(), torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU(), torch.nn.Linear(WIDTH, 1)
+        torch.nn.Linear(32, WIDTH),
+        torch.nn.GELU(),
+        torch.nn.Linear(WIDTH, WIDTH),
+        torch.nn.GELU(),
+        torch.nn.Linear(WIDTH, 1),
     )
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=PEAK_LR, weight_decay=0.01)
@@ -77,13 +81,18 @@ def train_rank(rank: int, world_size: int, master_port: int, url: str, run: str,
     dist.destroy_process_group()
 
 
-def run_demo(settings: Settings, *, host: str, port: int, ranks: int, steps: int, run: str, keep_serving: bool) -> int:
+def run_demo(
+    settings: Settings, *, host: str, port: int, ranks: int, steps: int, run: str, keep_serving: bool
+) -> int:
     try:
         import torch.multiprocessing as mp
 
         import stepwatch  # noqa: F401  (fail early with a clear message, not inside four processes)
     except ImportError as exc:
-        print(f"stepwatch-server demo needs torch and the stepwatch agent ({exc}); run scripts/setup.sh", file=sys.stderr)
+        print(
+            f"stepwatch-server demo needs torch and the stepwatch agent ({exc}); run scripts/setup.sh",
+            file=sys.stderr,
+        )
         return 2
 
     server = BackgroundServer(settings, host=host, port=port).start()

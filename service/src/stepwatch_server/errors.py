@@ -21,8 +21,9 @@ class ApiError(Exception):
     status: int = 400
     code: str = "bad_request"
 
-    def __init__(self, message: str, *, field: str | None = None, code: str | None = None,
-                 status: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, field: str | None = None, code: str | None = None, status: int | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.field = field
@@ -72,8 +73,9 @@ class ServiceUnavailable(ApiError):
     code = "unavailable"
 
 
-def _render(status: int, code: str, field: str | None, message: str,
-            headers: dict[str, str] | None = None) -> Response:
+def _render(
+    status: int, code: str, field: str | None, message: str, headers: dict[str, str] | None = None
+) -> Response:
     body = {"error": {"code": code, "field": field, "message": message}}
     return json_response(body, status=status, headers=headers)
 

@@ -38,7 +38,9 @@ class Settings:
     run_migrations: bool = True
 
     @classmethod
-    def from_env(cls, *, database_url: str | None = None, token: str | None = None, **kwargs: object) -> Settings:
+    def from_env(
+        cls, *, database_url: str | None = None, token: str | None = None, **kwargs: object
+    ) -> Settings:
         """Settings from arguments, falling back to STEPWATCH_DATABASE_URL / STEPWATCH_TOKEN when None."""
         return cls(
             database_url=database_url or _env_database_url(),

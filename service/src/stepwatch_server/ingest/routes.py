@@ -27,9 +27,16 @@ router = APIRouter(prefix="/api/v1", tags=["ingest"])
 
 _ERROR_SCHEMA = {
     "type": "object",
-    "properties": {"error": {"type": "object", "properties": {
-        "code": {"type": "string"}, "field": {"type": ["string", "null"]}, "message": {"type": "string"},
-    }}},
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "code": {"type": "string"},
+                "field": {"type": ["string", "null"]},
+                "message": {"type": "string"},
+            },
+        }
+    },
 }
 _OPENAPI = {
     "requestBody": {
@@ -39,12 +46,24 @@ _OPENAPI = {
         "content": {"application/json": {"schema": {"type": "object"}, "example": EXAMPLE_BATCH}},
     },
     "responses": {
-        "200": {"description": "Committed (or recognised as a duplicate).", "content": {"application/json": {
-            "example": {"accepted": True, "rows": 20, "duplicates": 0, "incarnation": 1}}}},
-        **{code: {"description": what, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
-           for code, what in (("400", "Not gzip, not UTF-8 or not JSON."), ("401", "Token missing or wrong."),
-                              ("413", "Over the size limit."), ("415", "Unsupported Content-Encoding."),
-                              ("422", "A field is invalid; `field` and `message` say which and why."))},
+        "200": {
+            "description": "Committed (or recognised as a duplicate).",
+            "content": {
+                "application/json": {
+                    "example": {"accepted": True, "rows": 20, "duplicates": 0, "incarnation": 1}
+                }
+            },
+        },
+        **{
+            code: {"description": what, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+            for code, what in (
+                ("400", "Not gzip, not UTF-8 or not JSON."),
+                ("401", "Token missing or wrong."),
+                ("413", "Over the size limit."),
+                ("415", "Unsupported Content-Encoding."),
+                ("422", "A field is invalid; `field` and `message` say which and why."),
+            )
+        },
     },
 }
 
@@ -55,8 +74,9 @@ def check_token(request: Request, token: str | None) -> None:
     header = request.headers.get("authorization", "")
     scheme, _, given = header.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-        raise Unauthorized("missing or wrong bearer token: send 'Authorization: Bearer <token>'",
-                           field="Authorization")
+        raise Unauthorized(
+            "missing or wrong bearer token: send 'Authorization: Bearer <token>'", field="Authorization"
+        )
 
 
 async def read_body_bounded(request: Request, limit: int) -> bytes:
@@ -68,8 +88,9 @@ async def read_body_bounded(request: Request, limit: int) -> bytes:
         except ValueError:
             raise BadRequest("Content-Length is not an integer", field="Content-Length") from None
         if declared > limit:
-            raise PayloadTooLarge(f"the body is {declared} bytes; the limit is {limit} bytes on the wire",
-                                  field="body")
+            raise PayloadTooLarge(
+                f"the body is {declared} bytes; the limit is {limit} bytes on the wire", field="body"
+            )
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
@@ -84,7 +105,9 @@ def _after_commit(request: Request, batch: Batch, result: IngestResult) -> None:
     """Stored batches leave ingest here (nothing listens yet; the detectors' bus will)."""
 
 
-def _ingest_sync(writer: BatchWriter, raw: bytes, encoding: str | None, limit: int) -> tuple[Batch, IngestResult]:
+def _ingest_sync(
+    writer: BatchWriter, raw: bytes, encoding: str | None, limit: int
+) -> tuple[Batch, IngestResult]:
     batch = parse_batch(decode_body(raw, encoding, limit))
     return batch, writer.write(batch)
 
@@ -95,7 +118,10 @@ async def ingest(request: Request) -> Response:
     check_token(request, settings.token)
     raw = await read_body_bounded(request, settings.max_batch_bytes)
     batch, result = await run_in_threadpool(
-        _ingest_sync, request.app.state.writer, raw, request.headers.get("content-encoding"),
+        _ingest_sync,
+        request.app.state.writer,
+        raw,
+        request.headers.get("content-encoding"),
         settings.max_batch_bytes,
     )
     _after_commit(request, batch, result)

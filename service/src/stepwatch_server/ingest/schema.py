@@ -26,11 +26,29 @@ SESSION_RE = re.compile(r"[A-Za-z0-9_\-]{8,64}")
 NAME_RE = re.compile(r"[A-Za-z0-9._:/@+\-\[\]]{1,200}")
 FINGERPRINT_RE = re.compile(r"[0-9a-fA-F]{16}")
 
-TOP_LEVEL_FIELDS = frozenset({
-    "schema", "run", "session", "seq", "rank", "local_rank", "world_size", "node", "replica_group",
-    "shard", "num_shards", "agent", "steps", "timestamps", "metrics", "tensors", "fingerprints",
-    "events", "heartbeat",
-})
+TOP_LEVEL_FIELDS = frozenset(
+    {
+        "schema",
+        "run",
+        "session",
+        "seq",
+        "rank",
+        "local_rank",
+        "world_size",
+        "node",
+        "replica_group",
+        "shard",
+        "num_shards",
+        "agent",
+        "steps",
+        "timestamps",
+        "metrics",
+        "tensors",
+        "fingerprints",
+        "events",
+        "heartbeat",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)

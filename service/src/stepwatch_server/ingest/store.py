@@ -60,8 +60,12 @@ class IngestResult:
     restarted: bool = False  # this batch opened a new incarnation (> 1) of its rank
 
     def answer(self) -> dict[str, Any]:
-        return {"accepted": True, "rows": self.rows, "duplicates": self.duplicates,
-                "incarnation": self.incarnation}
+        return {
+            "accepted": True,
+            "rows": self.rows,
+            "duplicates": self.duplicates,
+            "incarnation": self.incarnation,
+        }
 
 
 def insert_ignore(conn: Connection, table: Table) -> Insert:
@@ -101,7 +105,7 @@ def insert_points(conn: Connection, rows: Sequence[PointRow] | Sequence[Mapping[
         else rows
     )
     for start in range(0, len(tuples), _POINTS_CHUNK_ROWS):
-        chunk = tuples[start:start + _POINTS_CHUNK_ROWS]
+        chunk = tuples[start : start + _POINTS_CHUNK_ROWS]
         if conn.dialect.name == "postgresql":
             conn.exec_driver_sql(_INSERT_POINTS_PG, tuple(list(col) for col in zip(*chunk, strict=True)))
         else:
@@ -116,11 +120,15 @@ def _from_unix(ts: float) -> dt.datetime:
     return dt.datetime.fromtimestamp(ts, dt.UTC)
 
 
-def _column_rows(series_id: int, rank: int, incarnation: int, steps: np.ndarray, col: Column) -> list[PointRow]:
+def _column_rows(
+    series_id: int, rank: int, incarnation: int, steps: np.ndarray, col: Column
+) -> list[PointRow]:
     values = col.values
     if col.present is not None:
         steps, values = steps[col.present], values[col.present]
-    return [(series_id, rank, s, incarnation, v) for s, v in zip(steps.tolist(), values.tolist(), strict=True)]
+    return [
+        (series_id, rank, s, incarnation, v) for s, v in zip(steps.tolist(), values.tolist(), strict=True)
+    ]
 
 
 class _Duplicate(Exception):
@@ -164,7 +172,9 @@ class BatchWriter:
 
     # -- inside the transaction -------------------------------------------------------------
 
-    def _write(self, conn: Connection, batch: Batch, new_series: dict[tuple[int, str, str], int]) -> IngestResult:
+    def _write(
+        self, conn: Connection, batch: Batch, new_series: dict[tuple[int, str, str], int]
+    ) -> IngestResult:
         now = _utcnow()
         run_id = self._run_id(conn, batch, now)
         incarnation, new_session = self._session(conn, batch, run_id, now)
@@ -179,85 +189,137 @@ class BatchWriter:
         series_ids = self._series(conn, run_id, batch, new_series)
         point_rows: list[PointRow] = []
         for name, col in batch.metrics.items():
-            point_rows += _column_rows(series_ids[(METRIC_STAT, name)], batch.rank, incarnation, batch.steps, col)
+            point_rows += _column_rows(
+                series_ids[(METRIC_STAT, name)], batch.rank, incarnation, batch.steps, col
+            )
         for stat, cols in batch.tensors.items():
             for name, col in cols.items():
-                point_rows += _column_rows(series_ids[(stat, name)], batch.rank, incarnation,
-                                           batch.tensor_steps, col)
+                point_rows += _column_rows(
+                    series_ids[(stat, name)], batch.rank, incarnation, batch.tensor_steps, col
+                )
         insert_points(conn, point_rows)
 
         if batch.steps.size:
-            conn.execute(insert_ignore(conn, _STEPS), [
-                {"run_id": run_id, "rank": batch.rank, "step": s, "incarnation": incarnation, "ts": t}
-                for s, t in zip(batch.steps.tolist(), batch.timestamps.tolist(), strict=True)
-            ])
+            conn.execute(
+                insert_ignore(conn, _STEPS),
+                [
+                    {"run_id": run_id, "rank": batch.rank, "step": s, "incarnation": incarnation, "ts": t}
+                    for s, t in zip(batch.steps.tolist(), batch.timestamps.tolist(), strict=True)
+                ],
+            )
         if batch.fingerprints:
-            conn.execute(insert_ignore(conn, _FINGERPRINTS), [
-                {"run_id": run_id, "rank": batch.rank, "step": s, "incarnation": incarnation,
-                 "replica_group": batch.replica_group, "shard": batch.shard, "value": v}
-                for s, v in zip(batch.fingerprint_steps.tolist(), batch.fingerprints, strict=True)
-            ])
+            conn.execute(
+                insert_ignore(conn, _FINGERPRINTS),
+                [
+                    {
+                        "run_id": run_id,
+                        "rank": batch.rank,
+                        "step": s,
+                        "incarnation": incarnation,
+                        "replica_group": batch.replica_group,
+                        "shard": batch.shard,
+                        "value": v,
+                    }
+                    for s, v in zip(batch.fingerprint_steps.tolist(), batch.fingerprints, strict=True)
+                ],
+            )
         if batch.events:
-            conn.execute(_EVENTS.insert(), [
-                {"run_id": run_id, "rank": batch.rank, "step": e.step, "incarnation": incarnation,
-                 "ts": e.ts, "kind": e.kind, "data": e.data}
-                for e in batch.events
-            ])
+            conn.execute(
+                _EVENTS.insert(),
+                [
+                    {
+                        "run_id": run_id,
+                        "rank": batch.rank,
+                        "step": e.step,
+                        "incarnation": incarnation,
+                        "ts": e.ts,
+                        "kind": e.kind,
+                        "data": e.data,
+                    }
+                    for e in batch.events
+                ],
+            )
         self._rank(conn, batch, run_id, incarnation, now)
-        return IngestResult(rows=rows, duplicates=0, incarnation=incarnation, run_id=run_id,
-                            restarted=new_session and incarnation > 1)
+        return IngestResult(
+            rows=rows,
+            duplicates=0,
+            incarnation=incarnation,
+            run_id=run_id,
+            restarted=new_session and incarnation > 1,
+        )
 
     def _run_id(self, conn: Connection, batch: Batch, now: dt.datetime) -> int:
         row = conn.execute(
             select(Run.id, Run.world_size, Run.last_seen_at).where(Run.name == batch.run)
         ).first()
         if row is None:
-            conn.execute(insert_ignore(conn, Run.__table__), {  # type: ignore[arg-type]
-                "name": batch.run, "world_size": batch.world_size, "created_at": now, "last_seen_at": now,
-            })
+            conn.execute(
+                insert_ignore(conn, Run.__table__),
+                {  # type: ignore[arg-type]
+                    "name": batch.run,
+                    "world_size": batch.world_size,
+                    "created_at": now,
+                    "last_seen_at": now,
+                },
+            )
             return int(conn.execute(select(Run.id).where(Run.name == batch.run)).scalar_one())
         run_id, world_size, last_seen = int(row[0]), int(row[1]), row[2]
         # The run row is shared by every rank: update it only when something changed, so that
         # concurrent ranks do not queue on its row lock.
         if world_size != batch.world_size or (now - last_seen).total_seconds() > RUN_TOUCH_INTERVAL_S:
-            conn.execute(update(Run).where(Run.id == run_id).values(world_size=batch.world_size, last_seen_at=now))
+            conn.execute(
+                update(Run).where(Run.id == run_id).values(world_size=batch.world_size, last_seen_at=now)
+            )
         return run_id
 
     def _session(self, conn: Connection, batch: Batch, run_id: int, now: dt.datetime) -> tuple[int, bool]:
         row = conn.execute(
-            select(AgentSession.run_id, AgentSession.rank, AgentSession.incarnation, AgentSession.first_step)
-            .where(AgentSession.id == batch.session)
+            select(
+                AgentSession.run_id, AgentSession.rank, AgentSession.incarnation, AgentSession.first_step
+            ).where(AgentSession.id == batch.session)
         ).first()
         first_step = int(batch.steps[0]) if batch.steps.size else None
         if row is not None:
             if row.run_id != run_id or row.rank != batch.rank:
                 raise InvalidBatch(
                     f"session: {batch.session!r} already belongs to another run or rank; "
-                    "use a new session id per process and rank", field="session", code="session_conflict",
+                    "use a new session id per process and rank",
+                    field="session",
+                    code="session_conflict",
                 )
             if row.first_step is None and first_step is not None:
-                conn.execute(update(AgentSession).where(AgentSession.id == batch.session)
-                             .values(first_step=first_step))
+                conn.execute(
+                    update(AgentSession).where(AgentSession.id == batch.session).values(first_step=first_step)
+                )
             return int(row.incarnation), False
         if conn.dialect.name == "postgresql":
             # Serialise the creation of new sessions of one rank (held until commit), so that two
             # sessions starting at once read each other's incarnation instead of colliding.
             conn.execute(select(func.pg_advisory_xact_lock(run_id, batch.rank)))
         previous = conn.execute(
-            select(func.max(AgentSession.incarnation))
-            .where(AgentSession.run_id == run_id, AgentSession.rank == batch.rank)
+            select(func.max(AgentSession.incarnation)).where(
+                AgentSession.run_id == run_id, AgentSession.rank == batch.rank
+            )
         ).scalar()
         incarnation = int(previous or 0) + 1
         # Should two writers still pick the same max+1 (SQLite across processes), the unique
         # constraint (run_id, rank, incarnation) fails one of them and write() retries it.
-        conn.execute(AgentSession.__table__.insert(), {  # type: ignore[attr-defined]
-            "id": batch.session, "run_id": run_id, "rank": batch.rank, "incarnation": incarnation,
-            "first_step": first_step, "started_at": now,
-        })
+        conn.execute(
+            AgentSession.__table__.insert(),
+            {  # type: ignore[attr-defined]
+                "id": batch.session,
+                "run_id": run_id,
+                "rank": batch.rank,
+                "incarnation": incarnation,
+                "first_step": first_step,
+                "started_at": now,
+            },
+        )
         return incarnation, True
 
-    def _series(self, conn: Connection, run_id: int, batch: Batch,
-                new_series: dict[tuple[int, str, str], int]) -> dict[tuple[str, str], int]:
+    def _series(
+        self, conn: Connection, run_id: int, batch: Batch, new_series: dict[tuple[int, str, str], int]
+    ) -> dict[tuple[str, str], int]:
         wanted = [(METRIC_STAT, name) for name in batch.metrics]
         wanted += [(stat, name) for stat, cols in batch.tensors.items() for name in cols]
         ids: dict[tuple[str, str], int] = {}
@@ -269,13 +331,15 @@ class BatchWriter:
             else:
                 ids[key] = sid
         if missing:
-            conn.execute(insert_ignore(conn, _SERIES), [
-                {"run_id": run_id, "stat": stat, "name": name} for stat, name in missing
-            ])
+            conn.execute(
+                insert_ignore(conn, _SERIES),
+                [{"run_id": run_id, "stat": stat, "name": name} for stat, name in missing],
+            )
             for chunk in _chunks(missing, 500):
                 found = conn.execute(
-                    select(Series.stat, Series.name, Series.id)
-                    .where(Series.run_id == run_id, tuple_(Series.stat, Series.name).in_(chunk))
+                    select(Series.stat, Series.name, Series.id).where(
+                        Series.run_id == run_id, tuple_(Series.stat, Series.name).in_(chunk)
+                    )
                 )
                 for stat, name, sid in found:
                     ids[(stat, name)] = sid
@@ -292,17 +356,29 @@ class BatchWriter:
         if hb is not None and hb.last_step is not None:
             batch_last = hb.last_step if batch_last is None else max(batch_last, hb.last_step)
         identity = {
-            "node": batch.node, "local_rank": batch.local_rank, "world_size": batch.world_size,
-            "replica_group": batch.replica_group, "shard": batch.shard, "num_shards": batch.num_shards,
+            "node": batch.node,
+            "local_rank": batch.local_rank,
+            "world_size": batch.world_size,
+            "replica_group": batch.replica_group,
+            "shard": batch.shard,
+            "num_shards": batch.num_shards,
         }
         if current is None:
-            conn.execute(Rank.__table__.insert(), {  # type: ignore[attr-defined]
-                "run_id": run_id, "rank": batch.rank, **identity, "incarnation": incarnation,
-                "last_step": batch_last, "last_seen_at": now,
-                "last_heartbeat_at": None if hb is None else _from_unix(hb.ts),
-                "phase": None if hb is None else hb.phase,
-                "agent_version": batch.agent_version, "agent_counters": batch.agent_counters,
-            })
+            conn.execute(
+                Rank.__table__.insert(),
+                {  # type: ignore[attr-defined]
+                    "run_id": run_id,
+                    "rank": batch.rank,
+                    **identity,
+                    "incarnation": incarnation,
+                    "last_step": batch_last,
+                    "last_seen_at": now,
+                    "last_heartbeat_at": None if hb is None else _from_unix(hb.ts),
+                    "phase": None if hb is None else hb.phase,
+                    "agent_version": batch.agent_version,
+                    "agent_counters": batch.agent_counters,
+                },
+            )
             return
         changes: dict[str, Any] = {"last_seen_at": now}
         if incarnation >= current["incarnation"]:  # a late batch of an older incarnation changes no state
@@ -310,7 +386,9 @@ class BatchWriter:
             if incarnation > current["incarnation"]:
                 changes["incarnation"] = incarnation
                 changes["last_step"] = batch_last
-            elif batch_last is not None and (current["last_step"] is None or batch_last > current["last_step"]):
+            elif batch_last is not None and (
+                current["last_step"] is None or batch_last > current["last_step"]
+            ):
                 changes["last_step"] = batch_last
             if hb is not None:
                 hb_at = _from_unix(hb.ts)
@@ -327,4 +405,4 @@ class BatchWriter:
 
 def _chunks(items: list[tuple[str, str]], size: int) -> Iterable[list[tuple[str, str]]]:
     for i in range(0, len(items), size):
-        yield items[i:i + size]
+        yield items[i : i + size]

@@ -46,7 +46,11 @@ def json_type(value: Any) -> str:
     if value is None:
         return "null"
     return {
-        bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "an array",
         dict: "an object",
     }.get(type(value), type(value).__name__)
 
@@ -61,8 +65,9 @@ def _object(value: Any, path: str, allowed: frozenset[str] | None = None) -> dic
     if allowed is not None:
         for key in value:
             if key not in allowed:
-                raise _fail(f"{path}.{key}" if path else key,
-                            f"unknown field (known: {', '.join(sorted(allowed))})")
+                raise _fail(
+                    f"{path}.{key}" if path else key, f"unknown field (known: {', '.join(sorted(allowed))})"
+                )
     return value
 
 
@@ -185,7 +190,8 @@ class _Budget:
         if self.used > MAX_VALUES_PER_BATCH:
             raise PayloadTooLarge(
                 f"the batch carries more than {MAX_VALUES_PER_BATCH} values; send fewer steps per batch",
-                code="too_many_values", field="body",
+                code="too_many_values",
+                field="body",
             )
 
 
@@ -198,7 +204,9 @@ def _metrics(value: Any, steps: np.ndarray, budget: _Budget) -> dict[str, Column
     }
 
 
-def _tensors(value: Any, steps: np.ndarray, budget: _Budget) -> tuple[np.ndarray, dict[str, dict[str, Column]]]:
+def _tensors(
+    value: Any, steps: np.ndarray, budget: _Budget
+) -> tuple[np.ndarray, dict[str, dict[str, Column]]]:
     raw = _object(value, "tensors", frozenset({"steps", "stats"}))
     if "steps" not in raw:
         raise _fail("tensors.steps", "missing (required when tensors is present)")
@@ -257,9 +265,14 @@ def _events(value: Any, budget: _Budget) -> tuple[BatchEvent, ...]:
         size = len(orjson.dumps(data))
         if size > MAX_EVENT_DATA_BYTES:
             raise _fail(f"{path}.data", f"is {size} bytes as JSON; the limit is {MAX_EVENT_DATA_BYTES}")
-        events.append(BatchEvent(
-            step=_int(raw["step"], f"{path}.step", 0), ts=_number(raw["ts"], f"{path}.ts"), kind=kind, data=data,
-        ))
+        events.append(
+            BatchEvent(
+                step=_int(raw["step"], f"{path}.step", 0),
+                ts=_number(raw["ts"], f"{path}.ts"),
+                kind=kind,
+                data=data,
+            )
+        )
     return tuple(events)
 
 
@@ -305,7 +318,8 @@ def parse_batch(doc: Any) -> Batch:
         raise InvalidBatch(
             f"schema: unsupported version {doc['schema']!r}; this collector speaks schema "
             f"{', '.join(map(str, SCHEMA_VERSIONS))}",
-            field="schema", code="unsupported_schema",
+            field="schema",
+            code="unsupported_schema",
         )
     _object(doc, "", TOP_LEVEL_FIELDS)
     for key in ("run", "session", "seq", "rank", "world_size", "steps", "timestamps"):
@@ -356,9 +370,25 @@ def parse_batch(doc: Any) -> Batch:
     heartbeat = None if doc.get("heartbeat") is None else _heartbeat(doc["heartbeat"])
 
     return Batch(
-        run=run, session=session, seq=seq, rank=rank, world_size=world_size, steps=steps,
-        timestamps=timestamps, local_rank=local_rank, node=node, replica_group=replica_group, shard=shard,
-        num_shards=num_shards, agent_version=agent_version, agent_counters=agent_counters, metrics=metrics,
-        tensor_steps=tensor_steps, tensors=tensors, fingerprint_steps=fingerprint_steps,
-        fingerprints=fingerprints, events=events, heartbeat=heartbeat,
+        run=run,
+        session=session,
+        seq=seq,
+        rank=rank,
+        world_size=world_size,
+        steps=steps,
+        timestamps=timestamps,
+        local_rank=local_rank,
+        node=node,
+        replica_group=replica_group,
+        shard=shard,
+        num_shards=num_shards,
+        agent_version=agent_version,
+        agent_counters=agent_counters,
+        metrics=metrics,
+        tensor_steps=tensor_steps,
+        tensors=tensors,
+        fingerprint_steps=fingerprint_steps,
+        fingerprints=fingerprints,
+        events=events,
+        heartbeat=heartbeat,
     )

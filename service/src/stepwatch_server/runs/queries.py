@@ -54,7 +54,9 @@ def find_run(conn: Connection, name: str) -> Row[Any]:
 
 def _rank_summary() -> Select[int, int, int | None, dt.datetime]:
     return select(
-        Rank.run_id, func.count().label("ranks"), func.max(Rank.last_step).label("last_step"),
+        Rank.run_id,
+        func.count().label("ranks"),
+        func.max(Rank.last_step).label("last_step"),
         func.max(Rank.last_seen_at).label("last_seen_at"),
     ).group_by(Rank.run_id)
 
@@ -62,8 +64,15 @@ def _rank_summary() -> Select[int, int, int | None, dt.datetime]:
 def run_summaries(conn: Connection, run_id: int | None = None) -> list[dict[str, Any]]:
     summary = _rank_summary().subquery()
     query = (
-        select(Run.name, Run.world_size, Run.created_at, Run.last_seen_at, summary.c.ranks,
-               summary.c.last_step, summary.c.last_seen_at.label("ranks_seen_at"))
+        select(
+            Run.name,
+            Run.world_size,
+            Run.created_at,
+            Run.last_seen_at,
+            summary.c.ranks,
+            summary.c.last_step,
+            summary.c.last_seen_at.label("ranks_seen_at"),
+        )
         .outerjoin(summary, summary.c.run_id == Run.id)
         .order_by(Run.last_seen_at.desc(), Run.id.desc())
     )
@@ -71,19 +80,25 @@ def run_summaries(conn: Connection, run_id: int | None = None) -> list[dict[str,
         query = query.where(Run.id == run_id)
     out = []
     for run in conn.execute(query):
-        out.append({
-            "name": run.name, "world_size": run.world_size, "created_at": run.created_at,
-            "last_seen_at": _later(run.last_seen_at, run.ranks_seen_at), "last_step": run.last_step,
-            "ranks": run.ranks or 0,
-        })
+        out.append(
+            {
+                "name": run.name,
+                "world_size": run.world_size,
+                "created_at": run.created_at,
+                "last_seen_at": _later(run.last_seen_at, run.ranks_seen_at),
+                "last_step": run.last_step,
+                "ranks": run.ranks or 0,
+            }
+        )
     return out
 
 
 def series_names(conn: Connection, run_id: int) -> tuple[list[str], dict[str, list[str]]]:
     metrics: list[str] = []
     tensors: dict[str, list[str]] = {}
-    rows = conn.execute(select(Series.stat, Series.name).where(Series.run_id == run_id)
-                        .order_by(Series.stat, Series.name))
+    rows = conn.execute(
+        select(Series.stat, Series.name).where(Series.run_id == run_id).order_by(Series.stat, Series.name)
+    )
     for stat, name in rows:
         if stat == METRIC_STAT:
             metrics.append(name)
@@ -108,8 +123,9 @@ def series_ids(conn: Connection, run_id: int, stat: str, name: str | None) -> di
     return {sid: n for sid, n in conn.execute(query.order_by(Series.name))}
 
 
-def read_points(conn: Connection, ids: list[int], rank: int | None, from_step: int | None,
-                to_step: int | None) -> list[RankSeries]:
+def read_points(
+    conn: Connection, ids: list[int], rank: int | None, from_step: int | None, to_step: int | None
+) -> list[RankSeries]:
     """Each (series, rank)'s points in step order, latest incarnation per step."""
     if not ids:
         return []
@@ -134,8 +150,9 @@ def read_points(conn: Connection, ids: list[int], rank: int | None, from_step: i
     return _split_latest(sid, ranks, steps, values)
 
 
-def _split_latest(sid: np.ndarray, ranks: np.ndarray, steps: np.ndarray,
-                  values: np.ndarray) -> list[RankSeries]:
+def _split_latest(
+    sid: np.ndarray, ranks: np.ndarray, steps: np.ndarray, values: np.ndarray
+) -> list[RankSeries]:
     same_key = (sid[1:] == sid[:-1]) & (ranks[1:] == ranks[:-1])
     keep = np.ones(sid.shape[0], dtype=bool)
     keep[:-1] = ~(same_key & (steps[1:] == steps[:-1]))  # the last incarnation of a step wins
@@ -149,8 +166,9 @@ def _split_latest(sid: np.ndarray, ranks: np.ndarray, steps: np.ndarray,
     ]
 
 
-def read_steps(conn: Connection, run_id: int, rank: int | None, from_step: int | None,
-               to_step: int | None) -> list[RankSeries]:
+def read_steps(
+    conn: Connection, run_id: int, rank: int | None, from_step: int | None, to_step: int | None
+) -> list[RankSeries]:
     """Each rank's step end times (Unix seconds), latest incarnation per step."""
     query = select(StepRecord.rank, StepRecord.step, StepRecord.incarnation, StepRecord.ts).where(
         StepRecord.run_id == run_id
@@ -166,8 +184,9 @@ def read_steps(conn: Connection, run_id: int, rank: int | None, from_step: int |
         return []
     rank_col, step_col, _inc, ts_col = zip(*rows, strict=True)
     ranks = np.array(rank_col, dtype=np.int64)
-    return _split_latest(np.zeros_like(ranks), ranks, np.array(step_col, dtype=np.int64),
-                         np.array(ts_col, dtype=np.float64))
+    return _split_latest(
+        np.zeros_like(ranks), ranks, np.array(step_col, dtype=np.int64), np.array(ts_col, dtype=np.float64)
+    )
 
 
 def rank_states(conn: Connection, run_id: int) -> list[dict[str, Any]]:
@@ -175,10 +194,18 @@ def rank_states(conn: Connection, run_id: int) -> list[dict[str, Any]]:
     medians = median_step_ms(conn, run_id)
     return [
         {
-            "rank": r.rank, "node": r.node, "local_rank": r.local_rank, "world_size": r.world_size,
-            "replica_group": r.replica_group, "shard": r.shard, "num_shards": r.num_shards,
-            "incarnation": r.incarnation, "last_step": r.last_step, "last_seen_at": r.last_seen_at,
-            "last_heartbeat_at": r.last_heartbeat_at, "phase": r.phase,
+            "rank": r.rank,
+            "node": r.node,
+            "local_rank": r.local_rank,
+            "world_size": r.world_size,
+            "replica_group": r.replica_group,
+            "shard": r.shard,
+            "num_shards": r.num_shards,
+            "incarnation": r.incarnation,
+            "last_step": r.last_step,
+            "last_seen_at": r.last_seen_at,
+            "last_heartbeat_at": r.last_heartbeat_at,
+            "phase": r.phase,
             "median_step_ms": medians.get(r.rank),
             "agent": {"version": r.agent_version, "counters": r.agent_counters or {}},
         }
@@ -191,16 +218,22 @@ def median_step_ms(conn: Connection, run_id: int) -> dict[int, float]:
 
     Falls back to the spacing of the step timestamps when the metric was not sent.
     """
-    sid = conn.execute(select(Series.id).where(
-        Series.run_id == run_id, Series.stat == METRIC_STAT, Series.name == STEP_TIME_METRIC
-    )).scalar()
+    sid = conn.execute(
+        select(Series.id).where(
+            Series.run_id == run_id, Series.stat == METRIC_STAT, Series.name == STEP_TIME_METRIC
+        )
+    ).scalar()
     recent = and_(Rank.run_id == run_id, Rank.last_step.is_not(None))
     by_rank: dict[int, list[float]] = {}
     if sid is not None:
         rows = conn.execute(
-            select(Point.rank, Point.value).join(Rank, and_(Rank.rank == Point.rank, recent))
-            .where(Point.series_id == sid, Point.incarnation == Rank.incarnation,
-                   Point.step > Rank.last_step - RECENT_STEPS)
+            select(Point.rank, Point.value)
+            .join(Rank, and_(Rank.rank == Point.rank, recent))
+            .where(
+                Point.series_id == sid,
+                Point.incarnation == Rank.incarnation,
+                Point.step > Rank.last_step - RECENT_STEPS,
+            )
         )
         for rank, value in rows:
             if value is not None:
@@ -209,8 +242,11 @@ def median_step_ms(conn: Connection, run_id: int) -> dict[int, float]:
         step_rows = conn.execute(
             select(StepRecord.rank, StepRecord.step, StepRecord.ts)
             .join(Rank, and_(Rank.rank == StepRecord.rank, recent))
-            .where(StepRecord.run_id == run_id, StepRecord.incarnation == Rank.incarnation,
-                   StepRecord.step > Rank.last_step - RECENT_STEPS)
+            .where(
+                StepRecord.run_id == run_id,
+                StepRecord.incarnation == Rank.incarnation,
+                StepRecord.step > Rank.last_step - RECENT_STEPS,
+            )
             .order_by(StepRecord.rank, StepRecord.step)
         )
         previous: dict[int, tuple[int, float]] = {}
@@ -228,8 +264,9 @@ def median_step_ms(conn: Connection, run_id: int) -> dict[int, float]:
     return out
 
 
-def read_fingerprints(conn: Connection, run_id: int, from_step: int | None,
-                      to_step: int | None) -> list[dict[str, Any]]:
+def read_fingerprints(
+    conn: Connection, run_id: int, from_step: int | None, to_step: int | None
+) -> list[dict[str, Any]]:
     query = select(*Fingerprint.__table__.c).where(Fingerprint.run_id == run_id)
     if from_step is not None:
         query = query.where(Fingerprint.step >= from_step)
@@ -241,15 +278,24 @@ def read_fingerprints(conn: Connection, run_id: int, from_step: int | None,
         latest[(fp.rank, fp.step)] = fp  # ordered by incarnation: the last one wins
     per_rank: dict[int, dict[str, Any]] = {}
     for (rank, step), fp in latest.items():
-        entry = per_rank.setdefault(rank, {"rank": rank, "replica_group": fp.replica_group,
-                                           "shard": fp.shard, "steps": [], "values": []})
+        entry = per_rank.setdefault(
+            rank,
+            {"rank": rank, "replica_group": fp.replica_group, "shard": fp.shard, "steps": [], "values": []},
+        )
         entry["steps"].append(step)
         entry["values"].append(fp.value)
     return list(per_rank.values())
 
 
-def read_events(conn: Connection, run_id: int, kind: str | None, rank: int | None, from_step: int | None,
-                to_step: int | None, limit: int) -> list[dict[str, Any]]:
+def read_events(
+    conn: Connection,
+    run_id: int,
+    kind: str | None,
+    rank: int | None,
+    from_step: int | None,
+    to_step: int | None,
+    limit: int,
+) -> list[dict[str, Any]]:
     query = select(*Event.__table__.c).where(Event.run_id == run_id)
     if kind is not None:
         query = query.where(Event.kind == kind)
@@ -261,7 +307,13 @@ def read_events(conn: Connection, run_id: int, kind: str | None, rank: int | Non
         query = query.where(Event.step <= to_step)
     query = query.order_by(Event.step, Event.ts, Event.rank, Event.id).limit(limit)
     return [
-        {"rank": e.rank, "step": e.step, "incarnation": e.incarnation, "ts": e.ts, "kind": e.kind,
-         "data": e.data}
+        {
+            "rank": e.rank,
+            "step": e.step,
+            "incarnation": e.incarnation,
+            "ts": e.ts,
+            "kind": e.kind,
+            "data": e.data,
+        }
         for e in conn.execute(query)
     ]

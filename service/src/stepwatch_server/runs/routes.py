@@ -36,7 +36,9 @@ Conn = Annotated[Connection, Depends(connection)]
 FromStep = Annotated[int | None, Query(ge=0, description="first step (inclusive)")]
 ToStep = Annotated[int | None, Query(ge=0, description="last step (inclusive)")]
 MaxPoints = Annotated[int, Query(ge=2, le=MAX_POINTS_CAP, description="per series; min-max downsampling")]
-RankParam = Annotated[str, Query(description="a rank number, `all` (each rank), or `mean` (over ranks per step)")]
+RankParam = Annotated[
+    str, Query(description="a rank number, `all` (each rank), or `mean` (over ranks per step)")
+]
 
 
 def _rank_filter(rank: str, allow_mean: bool = True) -> tuple[int | None, bool]:
@@ -51,8 +53,9 @@ def _rank_filter(rank: str, allow_mean: bool = True) -> tuple[int | None, bool]:
     raise InvalidBatch(f"rank: expected {choices}, got {rank!r}", field="rank", code="invalid_parameter")
 
 
-def _shape(series: list[queries.RankSeries], mean: bool, max_points: int,
-           names: dict[int, str] | None = None) -> list[dict[str, Any]]:
+def _shape(
+    series: list[queries.RankSeries], mean: bool, max_points: int, names: dict[int, str] | None = None
+) -> list[dict[str, Any]]:
     if mean:
         steps, values = mean_over_ranks([s.steps for s in series], [s.values for s in series])
         steps, values = downsample(steps, values, max_points)
@@ -75,15 +78,19 @@ def list_runs(conn: Conn) -> Response:
 @router.get("/runs/{run:path}/ranks", summary="Per-rank state: node, progress, heartbeat, step time")
 def list_ranks(run: str, conn: Conn) -> Response:
     found = queries.find_run(conn, run)
-    return json_response({"run": found.name, "world_size": found.world_size,
-                          "ranks": queries.rank_states(conn, found.id)})
+    return json_response(
+        {"run": found.name, "world_size": found.world_size, "ranks": queries.rank_states(conn, found.id)}
+    )
 
 
 @router.get("/runs/{run:path}/series", summary="A metric per rank (downsampled, extremes kept)")
 def get_series(
-    run: str, conn: Conn,
+    run: str,
+    conn: Conn,
     metric: Annotated[str, Query(min_length=1, max_length=200, description="metric name, e.g. loss")],
-    rank: RankParam = "all", from_step: FromStep = None, to_step: ToStep = None,
+    rank: RankParam = "all",
+    from_step: FromStep = None,
+    to_step: ToStep = None,
     max_points: MaxPoints = DEFAULT_MAX_POINTS,
 ) -> Response:
     found = queries.find_run(conn, run)
@@ -99,10 +106,13 @@ def get_series(
 
 @router.get("/runs/{run:path}/tensors", summary="Per-module statistics (amax, grad_norm) per rank")
 def get_tensors(
-    run: str, conn: Conn,
+    run: str,
+    conn: Conn,
     stat: Annotated[str, Query(min_length=1, max_length=64, description="amax or grad_norm")] = "amax",
     name: Annotated[str | None, Query(max_length=200, description="module/parameter; omitted: all")] = None,
-    rank: RankParam = "all", from_step: FromStep = None, to_step: ToStep = None,
+    rank: RankParam = "all",
+    from_step: FromStep = None,
+    to_step: ToStep = None,
     max_points: MaxPoints = DEFAULT_MAX_POINTS,
 ) -> Response:
     found = queries.find_run(conn, run)
@@ -115,13 +125,21 @@ def get_tensors(
 
 
 @router.get("/runs/{run:path}/steps", summary="When each rank finished each step (Unix seconds)")
-def get_steps(run: str, conn: Conn, rank: RankParam = "all", from_step: FromStep = None,
-              to_step: ToStep = None, max_points: MaxPoints = DEFAULT_MAX_POINTS) -> Response:
+def get_steps(
+    run: str,
+    conn: Conn,
+    rank: RankParam = "all",
+    from_step: FromStep = None,
+    to_step: ToStep = None,
+    max_points: MaxPoints = DEFAULT_MAX_POINTS,
+) -> Response:
     found = queries.find_run(conn, run)
     rank_id, _ = _rank_filter(rank, allow_mean=False)
     out = []
     for s in queries.read_steps(conn, found.id, rank_id, from_step, to_step):
-        keep = np.unique(np.linspace(0, s.steps.shape[0] - 1, min(max_points, s.steps.shape[0])).astype(np.int64))
+        keep = np.unique(
+            np.linspace(0, s.steps.shape[0] - 1, min(max_points, s.steps.shape[0])).astype(np.int64)
+        )
         out.append({"rank": s.rank, "steps": s.steps[keep], "timestamps": s.values[keep]})
     return json_response({"series": out})
 
@@ -134,13 +152,18 @@ def get_fingerprints(run: str, conn: Conn, from_step: FromStep = None, to_step: 
 
 @router.get("/runs/{run:path}/events", summary="Events (nonfinite, phase_start, phase_end, note)")
 def get_events(
-    run: str, conn: Conn,
+    run: str,
+    conn: Conn,
     kind: Annotated[str | None, Query(description=", ".join(sorted(EVENT_KINDS)))] = None,
-    rank: Annotated[int | None, Query(ge=0)] = None, from_step: FromStep = None, to_step: ToStep = None,
+    rank: Annotated[int | None, Query(ge=0)] = None,
+    from_step: FromStep = None,
+    to_step: ToStep = None,
     limit: Annotated[int, Query(ge=1, le=MAX_EVENTS)] = 1000,
 ) -> Response:
     found = queries.find_run(conn, run)
-    return json_response({"events": queries.read_events(conn, found.id, kind, rank, from_step, to_step, limit)})
+    return json_response(
+        {"events": queries.read_events(conn, found.id, kind, rank, from_step, to_step, limit)}
+    )
 
 
 @router.get("/runs/{run:path}", summary="One run: summary, metric and tensor names, restarts")
@@ -148,5 +171,6 @@ def get_run(run: str, conn: Conn) -> Response:
     found = queries.find_run(conn, run)
     summary = queries.run_summaries(conn, found.id)[0]
     metrics, tensors = queries.series_names(conn, found.id)
-    return json_response({**summary, "metrics": metrics, "tensors": tensors,
-                          "restarts": queries.restarts(conn, found.id)})
+    return json_response(
+        {**summary, "metrics": metrics, "tensors": tensors, "restarts": queries.restarts(conn, found.id)}
+    )

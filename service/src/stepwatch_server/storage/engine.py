@@ -28,7 +28,7 @@ def normalise_url(url: str) -> str:
     """`postgresql://` and `postgres://` mean psycopg 3 here (psycopg2 is not a dependency)."""
     for prefix in ("postgresql://", "postgres://"):
         if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix):]
+            return "postgresql+psycopg://" + url[len(prefix) :]
     return url
 
 
