@@ -235,7 +235,9 @@ def test_resumed_optimizer_state_continues_the_step_count(receiver: Receiver, fa
     watch.close()
     assert receiver.steps() == [31, 32, 33, 34, 35]
 
-    explicit = stepwatch.attach(model, restored, run="resumed-explicit", url=receiver.url, start_step=99, **fast)
+    explicit = stepwatch.attach(
+        model, restored, run="resumed-explicit", url=receiver.url, start_step=99, **fast
+    )
     train(model, restored, 2, explicit)
     explicit.close()
     assert [s for s in receiver.steps() if s > 35] == [100, 101]
