@@ -254,8 +254,8 @@ class BatchWriter:
         ).first()
         if row is None:
             conn.execute(
-                insert_ignore(conn, Run.__table__),
-                {  # type: ignore[arg-type]
+                insert_ignore(conn, Run.__table__),  # type: ignore[arg-type]
+                {
                     "name": batch.run,
                     "world_size": batch.world_size,
                     "created_at": now,
@@ -305,8 +305,8 @@ class BatchWriter:
         # Should two writers still pick the same max+1 (SQLite across processes), the unique
         # constraint (run_id, rank, incarnation) fails one of them and write() retries it.
         conn.execute(
-            AgentSession.__table__.insert(),
-            {  # type: ignore[attr-defined]
+            AgentSession.__table__.insert(),  # type: ignore[attr-defined]
+            {
                 "id": batch.session,
                 "run_id": run_id,
                 "rank": batch.rank,
@@ -365,8 +365,8 @@ class BatchWriter:
         }
         if current is None:
             conn.execute(
-                Rank.__table__.insert(),
-                {  # type: ignore[attr-defined]
+                Rank.__table__.insert(),  # type: ignore[attr-defined]
+                {
                     "run_id": run_id,
                     "rank": batch.rank,
                     **identity,
