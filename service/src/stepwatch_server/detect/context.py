@@ -1,0 +1,81 @@
+"""What the detectors of one run know beyond a step frame: who the ranks are, what they last said."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from stepwatch_server.detect.anomalies import AnomalyBook
+from stepwatch_server.ingest.schema import Batch
+
+STEP_TIME_WINDOW = 256  # recent steps whose median step time is "the run's typical step time"
+
+
+class RunContext:
+    """Per-run state shared by its detectors, indexed by rank (numpy arrays of length world_size)."""
+
+    def __init__(self, run: str, world_size: int) -> None:
+        self.run = run
+        self.world_size = world_size
+        self.book = AnomalyBook(run)
+        self.node: list[str | None] = [None] * world_size
+        self.replica_group = np.arange(world_size)
+        self.shard = np.zeros(world_size, dtype=np.int64)
+        self.seen = np.zeros(world_size, dtype=bool)  # the rank has sent anything at all
+        self.last_step = np.full(world_size, -1, dtype=np.int64)  # last completed step reported
+        self.last_step_ts = np.full(world_size, np.nan)  # its end timestamp (event time)
+        self.heartbeat_ts = np.full(world_size, np.nan)  # event time of the latest heartbeat
+        self.heartbeat_phase: list[str | None] = [None] * world_size
+        self.heartbeat_step = np.full(world_size, -1, dtype=np.int64)
+        self.paused: list[str | None] = [None] * world_size  # inside watch.phase(...) since phase_start
+        self.last_arrival_wall = np.nan  # wall-clock time the run last sent anything
+        self._step_ms = np.full(STEP_TIME_WINDOW, np.nan)
+        self._step_ms_n = 0
+
+    # -- updates ---------------------------------------------------------------------------------
+    def update(self, batch: Batch, wall_now: float) -> None:
+        r = batch.rank
+        self.seen[r] = True
+        self.last_arrival_wall = wall_now
+        self.node[r] = batch.node
+        self.replica_group[r] = batch.replica_group
+        self.shard[r] = batch.shard
+        if batch.steps.size:  # the latest batch is the truth, also when a resumed incarnation went back
+            self.last_step[r] = int(batch.steps[-1])
+            self.last_step_ts[r] = float(batch.timestamps[-1])
+        hb = batch.heartbeat
+        if hb is not None and not hb.ts <= self.heartbeat_ts[r]:
+            self.heartbeat_ts[r] = hb.ts
+            self.heartbeat_phase[r] = hb.phase
+            if hb.last_step is not None:
+                self.heartbeat_step[r] = hb.last_step
+        for event in batch.events:
+            phase = event.data.get("phase") if isinstance(event.data, dict) else None
+            if event.kind == "phase_start":
+                self.paused[r] = str(phase or "pause")
+            elif event.kind == "phase_end":
+                self.paused[r] = None
+
+    def record_step_time(self, step_ms: float) -> None:
+        if np.isfinite(step_ms):
+            self._step_ms[self._step_ms_n % STEP_TIME_WINDOW] = step_ms
+            self._step_ms_n += 1
+
+    # -- questions -------------------------------------------------------------------------------
+    def typical_step_ms(self) -> float:
+        """Median step time over recent steps (NaN before any)."""
+        if self._step_ms_n == 0:
+            return float("nan")
+        return float(np.nanmedian(self._step_ms[: min(self._step_ms_n, STEP_TIME_WINDOW)]))
+
+    def event_now(self) -> float:
+        """The newest event time seen from any rank: step ends and heartbeats."""
+        both = np.concatenate([self.last_step_ts, self.heartbeat_ts])
+        return float(np.nanmax(both)) if np.isfinite(both).any() else float("nan")
+
+    def where(self, rank: int) -> str:
+        """'rank 37 on node gpu-12' (or 'rank 37' when the node is unknown)."""
+        node = self.node[rank]
+        return f"rank {rank} on node {node}" if node else f"rank {rank}"
+
+    def ranks_of_node(self, node: str) -> np.ndarray:
+        return np.array([r for r, n in enumerate(self.node) if n == node], dtype=np.int64)

@@ -1,0 +1,118 @@
+"""The detection engine: batches in, changed anomalies out. Streaming, per run, event-time driven.
+
+One `RunDetection` per run holds the run's aligner, context and detectors. The engine is not
+thread-safe: one worker owns it (detect/worker.py), which is what makes every run's state live in
+exactly one place; scale-out partitions runs across workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from stepwatch_server.detect.anomalies import Anomaly
+from stepwatch_server.detect.base import Detector
+from stepwatch_server.detect.context import RunContext
+from stepwatch_server.detect.frames import Aligner, StepFrame
+from stepwatch_server.detect.registry import DETECTORS
+from stepwatch_server.ingest.schema import Batch
+
+log = logging.getLogger(__name__)
+
+ALIGN_GRACE_S = 30.0  # event-time wait for a rank's report of a step before the frame goes without it
+MAX_RUNS = 1000  # runs with live detection state; the least recently active one is dropped beyond it
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """`overrides` maps a detector kind to {setting: value}, e.g. {"straggler": {"window_steps": 40}}."""
+
+    align_grace_s: float = ALIGN_GRACE_S
+    overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+    kinds: tuple[str, ...] | None = None  # None: every registered detector
+
+    def settings_for(self, cls: type[Detector]) -> Any:
+        try:
+            return dataclasses.replace(cls.Settings(), **self.overrides.get(cls.kind, {}))
+        except TypeError as exc:
+            raise ValueError(f"detection setting for {cls.kind!r}: {exc}") from None
+
+
+class RunDetection:
+    def __init__(
+        self, run: str, world_size: int, settings: EngineSettings, ctx: RunContext | None = None
+    ) -> None:
+        self.ctx = ctx if ctx is not None and ctx.world_size == world_size else RunContext(run, world_size)
+        if ctx is not None and ctx is not self.ctx:  # world size changed: keep the anomalies
+            self.ctx.book = ctx.book
+        self.aligner = Aligner(run, world_size, settings.align_grace_s)
+        classes = [c for c in DETECTORS if settings.kinds is None or c.kind in settings.kinds]
+        self.detectors: list[Detector] = [cls(self.ctx, settings.settings_for(cls)) for cls in classes]
+        self._broken: set[str] = set()
+
+    def feed(self, batch: Batch, wall_now: float) -> None:
+        self.ctx.update(batch, wall_now)
+        for frame in self.aligner.add(batch):
+            self.on_frame(frame)
+        self.tick(wall_now)
+
+    def on_frame(self, frame: StepFrame) -> None:
+        step_ms = frame.metrics.get("time.step_ms")
+        if step_ms is not None and np.isfinite(step_ms).any():
+            self.ctx.record_step_time(float(np.nanmedian(step_ms)))
+        for detector in self.detectors:
+            self._guarded(detector, "on_frame", frame)
+
+    def tick(self, wall_now: float) -> None:
+        event_now = self.ctx.event_now()
+        for detector in self.detectors:
+            self._guarded(detector, "on_tick", event_now, wall_now)
+
+    def _guarded(self, detector: Detector, method: str, *args: Any) -> None:
+        if detector.kind in self._broken:
+            return
+        try:
+            getattr(detector, method)(*args)
+        except Exception:
+            self._broken.add(detector.kind)
+            log.exception("detector %s failed on run %r; it is off for this run", detector.kind, self.ctx.run)
+
+
+class DetectionEngine:
+    def __init__(self, settings: EngineSettings | None = None) -> None:
+        self.settings = settings or EngineSettings()
+        for cls in DETECTORS:  # fail at start on a bad override, not on the first batch
+            self.settings.settings_for(cls)
+        self.runs: OrderedDict[str, RunDetection] = OrderedDict()
+
+    def feed(self, batch: Batch, wall_now: float | None = None) -> list[Anomaly]:
+        """Process one stored batch; returns the anomalies it opened, updated or resolved."""
+        now = time.time() if wall_now is None else wall_now
+        rd = self.runs.get(batch.run)
+        if rd is None or rd.ctx.world_size != batch.world_size:
+            rd = RunDetection(batch.run, batch.world_size, self.settings, rd.ctx if rd else None)
+            self.runs[batch.run] = rd
+            while len(self.runs) > MAX_RUNS:
+                self.runs.popitem(last=False)
+        self.runs.move_to_end(batch.run)
+        rd.feed(batch, now)
+        return rd.ctx.book.drain_changes()
+
+    def tick(self, wall_now: float | None = None) -> list[Anomaly]:
+        """Time passing with no batch (hangs, silent runs)."""
+        now = time.time() if wall_now is None else wall_now
+        changed: list[Anomaly] = []
+        for rd in self.runs.values():
+            rd.tick(now)
+            changed += rd.ctx.book.drain_changes()
+        return changed
+
+    def open_anomalies(self, run: str | None = None) -> list[Anomaly]:
+        runs = [self.runs[run]] if run is not None and run in self.runs else list(self.runs.values())
+        return [a for rd in runs for a in rd.ctx.book.open.values()]

@@ -1,0 +1,226 @@
+"""Cross-rank alignment: batches (one rank, many steps) in, step frames (one step, all ranks) out.
+
+Detectors compare ranks with each other at the same step, so the values of step N from every rank
+must be side by side. Batches of different ranks arrive at different times and cover different
+step ranges; the aligner scatters each batch's columns into ring matrices (steps x ranks, one numpy
+assignment per metric per batch) and emits a frame for step N, in step order, once every rank has
+reported it, or once event time (the newest timestamp seen from any rank, heartbeats included) has
+moved `grace_s` past the step's first report (a rank that died before sending its last steps), or
+when the ring is full. Memory is bounded: capacity x world_size per metric.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from stepwatch_server.ingest.schema import Batch, BatchEvent
+
+RING_STEPS = 512  # steps in flight per run (a batch holds at most 1,000 steps: larger ones are split)
+MAX_METRICS = 64  # distinct metric names aligned per run; further names are ignored by detection
+MAX_TENSOR_NAMES = 512  # distinct (stat, name) tensor series aligned per run
+
+
+@dataclass(slots=True)
+class StepFrame:
+    """One step of one run, every rank side by side (index = rank). NaN marks a value not reported."""
+
+    run: str
+    step: int
+    ts: float  # event time: the latest end-of-step timestamp across the ranks that reported it
+    present: np.ndarray  # bool (world_size,): ranks that reported this step
+    metrics: dict[str, np.ndarray]  # name -> float64 (world_size,)
+    tensors: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # stat -> name -> (world_size,)
+    fingerprints: dict[int, str] = field(default_factory=dict)  # rank -> 16 hex digits
+    events: list[tuple[int, BatchEvent]] = field(default_factory=list)  # (rank, event) at this step
+
+    @property
+    def world_size(self) -> int:
+        return int(self.present.shape[0])
+
+    def metric(self, name: str) -> np.ndarray | None:
+        return self.metrics.get(name)
+
+
+class Aligner:
+    """Ring matrices of one run; `add(batch)` returns the frames that became complete, in step order."""
+
+    def __init__(self, run: str, world_size: int, grace_s: float, capacity: int = RING_STEPS) -> None:
+        self.run, self.world_size, self.grace_s, self.capacity = run, world_size, grace_s, capacity
+        self._metrics: dict[str, np.ndarray] = {}
+        self._tensors: dict[tuple[str, str], np.ndarray] = {}
+        self._count = np.zeros(capacity, dtype=np.int32)
+        self._present = np.zeros((capacity, world_size), dtype=bool)
+        self._ts = np.full(capacity, -np.inf)
+        self._first_seen = np.full(capacity, np.inf)
+        self._has_tensors = np.zeros(capacity, dtype=bool)
+        self._fingerprints: dict[int, dict[int, str]] = {}
+        self._events: dict[int, list[tuple[int, BatchEvent]]] = {}
+        self.next_step: int | None = None  # the next step to emit
+        self.event_now = -np.inf  # event-time watermark: newest timestamp seen from any rank
+
+    # -- input ---------------------------------------------------------------------------------
+    def observe_time(self, ts: float) -> None:
+        self.event_now = max(self.event_now, ts)
+
+    def add(self, batch: Batch) -> list[StepFrame]:
+        if batch.heartbeat is not None:
+            self.observe_time(batch.heartbeat.ts)
+        steps = batch.steps
+        if steps.size == 0:
+            return self._drain()
+        frames: list[StepFrame] = []
+        if self.next_step is None:
+            self.next_step = int(steps[0])
+        elif steps[-1] < self.next_step:  # steps already emitted: a resumed incarnation
+            frames += self._flush_all()
+            self.next_step = int(steps[0])
+        keep = steps >= self.next_step  # late steps of a frame already emitted partially are dropped
+        if not keep.all():
+            return frames + self._add_slice(batch, np.flatnonzero(keep))
+        return frames + self._add_slice(batch, None)
+
+    def _add_slice(self, batch: Batch, index: np.ndarray | None) -> list[StepFrame]:
+        steps = batch.steps if index is None else batch.steps[index]
+        if steps.size == 0:
+            return self._drain()
+        assert self.next_step is not None
+        frames: list[StepFrame] = []
+        # Make room: the newest step must fit in the ring behind next_step.
+        while int(steps[-1]) - self.next_step >= self.capacity:
+            frames.append(self._emit())
+        steps_in = steps[steps >= self.next_step]
+        sel = np.flatnonzero(steps >= self.next_step)
+        if index is not None:
+            sel = index[sel]
+        slots = steps_in % self.capacity
+        rank = batch.rank
+        fresh = ~self._present[slots, rank]
+        self._present[slots, rank] = True
+        np.add.at(self._count, slots[fresh], 1)
+        ts = batch.timestamps[sel]
+        self._ts[slots] = np.maximum(self._ts[slots], ts)
+        self._first_seen[slots] = np.minimum(self._first_seen[slots], ts)
+        self.observe_time(float(ts.max()))
+        for name, col in batch.metrics.items():
+            ring = self._metric_ring(name)
+            if ring is None:
+                continue
+            values = col.values[sel]
+            if col.present is not None:
+                values = np.where(col.present[sel], values, np.nan)
+            ring[slots, rank] = values
+        if batch.tensors and batch.tensor_steps.size:
+            self._add_tensors(batch, rank)
+        for step, value in zip(batch.fingerprint_steps.tolist(), batch.fingerprints, strict=True):
+            if step >= self.next_step:
+                self._fingerprints.setdefault(step, {})[rank] = value
+        for event in batch.events:
+            if event.step >= self.next_step:
+                self._events.setdefault(event.step, []).append((rank, event))
+        return frames + self._drain()
+
+    def _add_tensors(self, batch: Batch, rank: int) -> None:
+        assert self.next_step is not None
+        tsteps = batch.tensor_steps
+        ok = tsteps >= self.next_step
+        tslots = tsteps[ok] % self.capacity
+        self._has_tensors[tslots] = True
+        for stat, cols in batch.tensors.items():
+            for name, col in cols.items():
+                ring = self._tensor_ring(stat, name)
+                if ring is None:
+                    continue
+                values = col.values[ok]
+                if col.present is not None:
+                    values = np.where(col.present[ok], values, np.nan)
+                ring[tslots, rank] = values
+
+    def _metric_ring(self, name: str) -> np.ndarray | None:
+        ring = self._metrics.get(name)
+        if ring is None and len(self._metrics) < MAX_METRICS:
+            ring = self._metrics[name] = np.full((self.capacity, self.world_size), np.nan)
+        return ring
+
+    def _tensor_ring(self, stat: str, name: str) -> np.ndarray | None:
+        ring = self._tensors.get((stat, name))
+        if ring is None and len(self._tensors) < MAX_TENSOR_NAMES:
+            ring = self._tensors[(stat, name)] = np.full((self.capacity, self.world_size), np.nan)
+        return ring
+
+    # -- output --------------------------------------------------------------------------------
+    def _ready(self) -> bool:
+        if self.next_step is None:
+            return False
+        slot = self.next_step % self.capacity
+        if self._count[slot] == 0:
+            return self._skip_gap()
+        if self._count[slot] >= self.world_size:
+            return True
+        return bool(self.event_now - self._first_seen[slot] > self.grace_s)
+
+    def _skip_gap(self) -> bool:
+        """No rank reported next_step but some reported later ones: after the grace, skip the gap."""
+        assert self.next_step is not None
+        order = (np.arange(self.capacity) + self.next_step) % self.capacity
+        pending = np.flatnonzero(self._count[order])
+        if pending.size == 0:
+            return False
+        first = int(pending[0])
+        if self.event_now - self._first_seen[order[first]] <= self.grace_s:
+            return False
+        self.next_step += first
+        return True
+
+    def _drain(self) -> list[StepFrame]:
+        frames = []
+        while self._ready():
+            frames.append(self._emit())
+        return frames
+
+    def _flush_all(self) -> list[StepFrame]:
+        frames = []
+        while self.next_step is not None and self._count.any():
+            if self._count[self.next_step % self.capacity]:
+                frames.append(self._emit())
+            else:
+                self.next_step += 1
+        return frames
+
+    def pending_steps(self) -> int:
+        return int(np.count_nonzero(self._count))
+
+    def _emit(self) -> StepFrame:
+        assert self.next_step is not None
+        step = self.next_step
+        slot = step % self.capacity
+        frame = StepFrame(
+            run=self.run,
+            step=step,
+            ts=float(self._ts[slot]),
+            present=self._present[slot].copy(),
+            metrics={name: ring[slot].copy() for name, ring in self._metrics.items()},
+            fingerprints=self._fingerprints.pop(step, {}),
+            events=self._events.pop(step, []),
+        )
+        if self._has_tensors[slot]:
+            for (stat, name), ring in self._tensors.items():
+                row = ring[slot]
+                if not np.isnan(row).all():
+                    frame.tensors.setdefault(stat, {})[name] = row.copy()
+                ring[slot] = np.nan
+        for ring in self._metrics.values():
+            ring[slot] = np.nan
+        self._count[slot] = 0
+        self._present[slot] = False
+        self._ts[slot] = -np.inf
+        self._first_seen[slot] = np.inf
+        self._has_tensors[slot] = False
+        self.next_step = step + 1
+        return frame
+
+    def frames_in(self, batches: list[Batch]) -> Iterator[StepFrame]:
+        for batch in batches:
+            yield from self.add(batch)
