@@ -48,6 +48,7 @@ class Anomaly:
     first_ts: float  # event time (the records' timestamps), Unix seconds
     last_ts: float
     detected_step: int  # the step being processed when it was first raised
+    detected_ts: float  # event time when it was first raised
     evidence: dict[str, Any] = field(default_factory=dict)
     status: Status = "open"
     resolved_step: int | None = None
@@ -67,6 +68,7 @@ class Anomaly:
             "first_step": self.first_step,
             "last_step": self.last_step,
             "detected_step": self.detected_step,
+            "detected_ts": self.detected_ts,
             "first_ts": self.first_ts,
             "last_ts": self.last_ts,
             "resolved_step": self.resolved_step,
@@ -115,6 +117,7 @@ class AnomalyBook:
                 first_ts=ts if first_ts is None else first_ts,
                 last_ts=ts,
                 detected_step=step,
+                detected_ts=ts,
                 evidence=evidence,
             )
             self.open[(kind, key)] = anomaly
