@@ -7,8 +7,8 @@ and ground-truth labels, emitted as schema-1 ingest batches; plus the scorer for
     sim.labels                      # ground truth, with onset timestamps
 """
 
+from stepwatch_server.detect.anomalies import KINDS
 from stepwatch_server.simulate.scenario import (
-    KINDS,
     Divergence,
     Fault,
     Fp8OverflowRisk,

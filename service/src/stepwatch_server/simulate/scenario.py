@@ -14,19 +14,6 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, ClassVar, Literal
 
-KINDS = (
-    "loss_spike",
-    "divergence",
-    "nonfinite",
-    "straggler",
-    "slow_node",
-    "hang",
-    "memory_leak",
-    "replica_divergence",
-    "fp8_overflow_risk",
-    "throughput_drop",
-)
-
 DEFAULT_MODULES = (
     "layers.0.attn.qkv",
     "layers.0.mlp.fc2",

@@ -29,7 +29,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from stepwatch_server.simulate.scenario import KINDS, Label
+from stepwatch_server.detect.anomalies import KINDS
+from stepwatch_server.simulate.scenario import Label
 
 EARLY_SLACK_STEPS = 5
 LATE_SLACK_STEPS = 50
