@@ -9,6 +9,7 @@ remembers which anomalies changed since the last `drain_changes()` so storage wr
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -128,6 +129,13 @@ class AnomalyBook:
             anomaly.last_step, anomaly.last_ts = max(anomaly.last_step, step), max(anomaly.last_ts, ts)
         self._changed[anomaly.local_id] = anomaly
         return anomaly
+
+    def adopt(self, anomalies: Iterable[Anomaly]) -> None:
+        """Take over open anomalies stored by an earlier process (not marked as changed): a raise
+        of the same (kind, key) then updates them and a resolve closes them, instead of duplicating."""
+        for anomaly in anomalies:
+            if anomaly.status == "open":
+                self.open.setdefault((anomaly.kind, anomaly.key), anomaly)
 
     def is_open(self, kind: str, key: str) -> bool:
         return (kind, key) in self.open

@@ -104,11 +104,22 @@ class DetectionEngine:
         rd.feed(batch, now)
         return rd.ctx.book.drain_changes()
 
+    def adopt(self, run: str, world_size: int, anomalies: list[Anomaly]) -> None:
+        """Continue a run's open anomalies stored by an earlier process (see `AnomalyBook.adopt`)."""
+        rd = self.runs.get(run)
+        if rd is None:
+            rd = self.runs[run] = RunDetection(run, world_size, self.settings)
+            while len(self.runs) > MAX_RUNS:
+                self.runs.popitem(last=False)
+        rd.ctx.book.adopt(anomalies)
+
     def tick(self, wall_now: float | None = None) -> list[Anomaly]:
         """Time passing with no batch (hangs, silent runs)."""
         now = time.time() if wall_now is None else wall_now
         changed: list[Anomaly] = []
         for rd in self.runs.values():
+            if not rd.ctx.seen.any():  # adopted at start, nothing received since: no clock to tick
+                continue
             rd.tick(now)
             changed += rd.ctx.book.drain_changes()
         return changed

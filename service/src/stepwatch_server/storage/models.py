@@ -27,6 +27,7 @@ from sqlalchemy import (
     Integer,
     MetaData,
     String,
+    Text,
     UniqueConstraint,
 )
 from sqlalchemy.dialects.postgresql import JSONB
@@ -200,6 +201,44 @@ class Event(Base):
     ts: Mapped[float] = mapped_column(Double)
     kind: Mapped[str] = mapped_column(String(32))
     data: Mapped[dict[str, Any]]
+
+
+class Anomaly(Base):
+    """A detected problem of a run, one row per (run, kind, key, first step), upserted as it evolves.
+
+    The detection engine holds the open ones in memory and rewrites the row when one is updated or
+    resolved (detect/store.py); at start the open rows are handed back to the engine, so a restarted
+    collector continues them instead of opening duplicates. `first_ts`/`last_ts`/`resolved_ts` are
+    event times (Unix seconds, from the records), `created_at`/`updated_at` bookkeeping times.
+    `evidence` holds plain JSON (non-finite numbers as the strings "NaN", "Infinity", "-Infinity").
+    """
+
+    __tablename__ = "anomalies"
+    __table_args__ = (
+        UniqueConstraint("run_id", "kind", "key", "first_step"),
+        Index("ix_anomalies_run_id_status", "run_id", "status"),
+        Index("ix_anomalies_status", "status"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(32))
+    key: Mapped[str] = mapped_column(String(200))
+    status: Mapped[str] = mapped_column(String(16))  # open | resolved
+    severity: Mapped[str] = mapped_column(String(16))  # info | warning | critical
+    rank: Mapped[int | None]
+    node: Mapped[str | None] = mapped_column(String(200))
+    first_step: Mapped[int] = mapped_column(BigInteger)
+    last_step: Mapped[int] = mapped_column(BigInteger)
+    detected_step: Mapped[int] = mapped_column(BigInteger)
+    first_ts: Mapped[float] = mapped_column(Double)
+    last_ts: Mapped[float] = mapped_column(Double)
+    resolved_step: Mapped[int | None] = mapped_column(BigInteger)
+    resolved_ts: Mapped[float | None] = mapped_column(Double)
+    summary: Mapped[str] = mapped_column(Text)
+    evidence: Mapped[dict[str, Any]]
+    created_at: Mapped[dt.datetime]
+    updated_at: Mapped[dt.datetime]
 
 
 ALL_TABLES = tuple(Base.metadata.sorted_tables)
