@@ -35,6 +35,7 @@ def upgrade() -> None:
     sa.Column('first_step', sa.BigInteger(), nullable=False),
     sa.Column('last_step', sa.BigInteger(), nullable=False),
     sa.Column('detected_step', sa.BigInteger(), nullable=False),
+    sa.Column('detected_ts', sa.Double(), nullable=False),
     sa.Column('first_ts', sa.Double(), nullable=False),
     sa.Column('last_ts', sa.Double(), nullable=False),
     sa.Column('resolved_step', sa.BigInteger(), nullable=True),

@@ -1,7 +1,9 @@
 """`create_app()`: the collector as an ASGI application.
 
-The lifespan owns the database engine: it creates it, applies the migrations, builds the batch
-writer, and disposes of the engine at shutdown.
+The lifespan owns the database engine and the detection worker: it creates the engine, applies the
+migrations, builds the batch writer, starts the detection worker (detect/worker.py) unless
+`settings.detection` is off, and at shutdown stops the worker (draining it within its deadline)
+before disposing of the engine.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from sqlalchemy import text
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
+from stepwatch_server.detect.engine import EngineSettings
+from stepwatch_server.detect.routes import router as detect_router
+from stepwatch_server.detect.worker import DetectionWorker
 from stepwatch_server.errors import ServiceUnavailable, install_error_handlers
 from stepwatch_server.ingest.routes import router as ingest_router
 from stepwatch_server.ingest.store import BatchWriter
@@ -39,11 +44,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await run_in_threadpool(upgrade, engine)
             app.state.engine = engine
             app.state.writer = BatchWriter(engine)
+            if settings.detection:
+                overrides = settings.detection_overrides
+                app.state.detection = DetectionWorker(engine, EngineSettings(overrides=overrides)).start()
             log.info(
-                "stepwatch collector ready (database %s)", engine.url.render_as_string(hide_password=True)
+                "stepwatch collector ready (database %s, detection %s)",
+                engine.url.render_as_string(hide_password=True),
+                "on" if settings.detection else "off",
             )
             yield
         finally:
+            worker = getattr(app.state, "detection", None)
+            if worker is not None:
+                await run_in_threadpool(worker.stop)
+                app.state.detection = None
             engine.dispose()
 
     app = FastAPI(
@@ -54,12 +68,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         openapi_tags=[
             {"name": "ingest", "description": "Batches from agents (docs/ingest.md)."},
             {"name": "runs", "description": "Reading runs, ranks and series back."},
+            {
+                "name": "detection",
+                "description": "Anomalies, run health, the detection worker (docs/detection.md).",
+            },
             {"name": "health", "description": "Liveness and database reachability."},
         ],
     )
     app.state.settings = settings
+    app.state.detection = None
     install_error_handlers(app)
     app.include_router(ingest_router)
+    app.include_router(detect_router)  # before runs: `/runs/{run:path}` would take `/runs/x/anomalies`
     app.include_router(runs_router)
 
     @app.get("/healthz", tags=["health"], summary="The collector is up and its database answers")

@@ -7,8 +7,11 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from stepwatch_server.detect.anomalies import KINDS
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+DEFAULT_DEMO_STEPS = 3000
 
 
 def _add_server_options(parser: argparse.ArgumentParser) -> None:
@@ -38,14 +41,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo",
-        help="run the collector and a real multi-rank CPU training run (torch.distributed, gloo) feeding it",
+        help="run the collector and a real multi-rank CPU training run (torch.distributed, gloo) feeding it; "
+        "or, with --inject KIND, a simulated run with that fault",
     )
     _add_server_options(demo)
     demo.add_argument("--ranks", type=int, default=4, help="training processes (default %(default)s)")
     demo.add_argument(
-        "--steps", type=int, default=3000, help="optimizer steps per rank (default %(default)s)"
+        "--steps",
+        type=int,
+        default=None,
+        help=f"optimizer steps per rank (default {DEFAULT_DEMO_STEPS}; with --inject: the scenario's, "
+        "or fewer when given)",
     )
-    demo.add_argument("--run", default="demo", help="run name (default %(default)s)")
+    demo.add_argument(
+        "--run", default=None, help="run name (default 'demo'; with --inject: inject-KIND-TIME)"
+    )
+    demo.add_argument(
+        "--inject",
+        choices=KINDS,
+        default=None,
+        metavar="KIND",
+        help="instead of training, feed the simulator's scenario with this fault over HTTP and print the "
+        f"anomalies found; KIND is one of: {', '.join(KINDS)}",
+    )
     demo.add_argument(
         "--exit-when-done",
         action="store_true",
@@ -69,18 +87,28 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         serve_forever(settings, host=args.host, port=args.port)
         return 0
-    from stepwatch_server.demo import run_demo
+    from stepwatch_server.demo import run_demo, run_inject_demo
 
-    if args.ranks < 1 or args.steps < 1:
+    if args.ranks < 1 or (args.steps is not None and args.steps < 1):
         print("stepwatch-server demo: --ranks and --steps must be at least 1", file=sys.stderr)
         return 2
+    if args.inject is not None:
+        return run_inject_demo(
+            settings,
+            host=args.host,
+            port=args.port,
+            kind=args.inject,
+            run=args.run,
+            steps=args.steps,
+            keep_serving=not args.exit_when_done,
+        )
     return run_demo(
         settings,
         host=args.host,
         port=args.port,
         ranks=args.ranks,
-        steps=args.steps,
-        run=args.run,
+        steps=args.steps or DEFAULT_DEMO_STEPS,
+        run=args.run or "demo",
         keep_serving=not args.exit_when_done,
     )
 

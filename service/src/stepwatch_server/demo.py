@@ -3,16 +3,30 @@
 The run is genuine synchronous data-parallel training: `--ranks` processes, torch.distributed with the
 gloo backend, a small MLP wrapped in DistributedDataParallel on the CPU, each rank attached with the
 one-line `stepwatch.attach`. It needs torch and the `stepwatch` agent (installed by scripts/setup.sh).
+
+`demo --inject KIND` replaces the training run with the simulator's scenario for that kind
+(`simulate.DEMO_BY_KIND`): its batches go to the collector over real HTTP (gzip JSON POSTs to
+/api/v1/ingest on loopback), as fast as the collector takes them. Detection runs on event time (the
+records' own timestamps), so the anomalies are the ones a live run would have produced; the demo
+waits for the detection worker to finish and prints them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gzip
+import http.client
+import json
 import math
 import os
 import socket
 import sys
 import time
+import urllib.parse
+import uuid
 from typing import Any
+
+import orjson
 
 from stepwatch_server.serving import BackgroundServer
 from stepwatch_server.settings import Settings
@@ -126,3 +140,138 @@ def run_demo(
             pass
     server.stop()
     return 0
+
+
+INJECT_TIMEOUT_S = 600.0  # the whole scenario, sent and detected
+DETECTION_WAIT_S = 120.0  # for the detection worker to catch up after the last batch
+
+
+class _Client:
+    """One keep-alive HTTP connection to the collector (stdlib only)."""
+
+    def __init__(self, base: str) -> None:
+        parsed = urllib.parse.urlsplit(base)
+        self._conn = http.client.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port, timeout=60)
+
+    def post_batch(self, doc: dict[str, Any]) -> dict[str, Any]:
+        body = gzip.compress(orjson.dumps(doc), compresslevel=1)
+        headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+        return self._request("POST", "/api/v1/ingest", body, headers)
+
+    def get(self, path: str) -> Any:
+        return self._request("GET", path, None, {})
+
+    def _request(self, method: str, path: str, body: bytes | None, headers: dict[str, str]) -> Any:
+        self._conn.request(method, path, body=body, headers=headers)
+        response = self._conn.getresponse()
+        data = response.read()
+        if response.status != 200:
+            raise RuntimeError(
+                f"{method} {path}: HTTP {response.status}: {data[:500].decode(errors='replace')}"
+            )
+        return json.loads(data)
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def _scenario(kind: str, steps: int | None) -> tuple[Any, Any]:
+    from stepwatch_server.simulate import DEMO_BY_KIND, SCENARIOS, Simulation
+
+    scenario = SCENARIOS[DEMO_BY_KIND[kind]]
+    if steps is not None:
+        scenario = dataclasses.replace(scenario, steps=min(steps, scenario.steps))
+    return scenario, Simulation(scenario)
+
+
+def run_inject_demo(
+    settings: Settings,
+    *,
+    host: str,
+    port: int,
+    kind: str,
+    run: str | None,
+    steps: int | None,
+    keep_serving: bool,
+) -> int:
+    """Feed the simulator's scenario for `kind` to a real collector over HTTP; print what it found."""
+    if not settings.detection:
+        print("stepwatch demo: --inject needs detection on (STEPWATCH_DETECTION is 'off')", file=sys.stderr)
+        return 2
+    scenario, sim = _scenario(kind, steps)
+    run = run or f"inject-{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+    server = BackgroundServer(settings, host=host, port=port).start()
+    base = server.url
+    client = _Client(base)
+    print(f"stepwatch demo: collector on {base} (database {settings.redacted_database_url})", flush=True)
+    print(
+        f"stepwatch demo: injecting {kind}: scenario {scenario.name!r} ({scenario.world_size} ranks x "
+        f"{scenario.steps} steps: {scenario.description}) as run {run!r}",
+        flush=True,
+    )
+    sessions: dict[str, str] = {}  # the scenario's session ids -> fresh ones (the demo can be re-run)
+    started = time.monotonic()
+    sent = 0
+    try:
+        for doc in sim:
+            doc["run"] = run
+            doc["session"] = sessions.setdefault(doc["session"], uuid.uuid4().hex)
+            client.post_batch(doc)
+            sent += 1
+            if time.monotonic() - started > INJECT_TIMEOUT_S:
+                raise RuntimeError(f"the scenario took over {INJECT_TIMEOUT_S:.0f} s to send")
+        print(f"stepwatch demo: {sent} batches sent in {time.monotonic() - started:.1f} s", flush=True)
+        stats = _wait_for_detection(client)
+        anomalies = client.get(f"/api/v1/runs/{urllib.parse.quote(run)}/anomalies")["anomalies"]
+    except Exception as exc:  # the collector failed or is too slow: say so and stop
+        print(f"stepwatch demo: {exc}", file=sys.stderr, flush=True)
+        client.close()
+        server.stop()
+        return 1
+    lag = stats.get("lag_ms", {})
+    print(
+        f"stepwatch demo: detection processed {stats['processed']} batches "
+        f"(ack -> stored p50 {_ms(lag.get('p50'))}, p99 {_ms(lag.get('p99'))})",
+        flush=True,
+    )
+    print(f"stepwatch demo: {len(anomalies)} anomalies found in run {run!r}:", flush=True)
+    for a in sorted(anomalies, key=lambda a: (a["first_step"], a["kind"])):
+        print(f"    {a['kind']:<18} {a['severity']:<8} {a['status']:<8} {a['summary']}", flush=True)
+    if not any(a["kind"] == kind for a in anomalies):
+        print(f"stepwatch demo: no {kind} anomaly was found", flush=True)
+    quoted = urllib.parse.quote(run)
+    print("stepwatch demo: look at", flush=True)
+    for path in (
+        f"/api/v1/runs/{quoted}/anomalies",
+        f"/api/v1/runs/{quoted}/health",
+        "/api/v1/anomalies?status=open",
+        f"/api/v1/runs/{quoted}/series?metric=loss&rank=mean",
+        "/docs",
+    ):
+        print(f"    {base}{path}", flush=True)
+    client.close()
+    if keep_serving:
+        print("stepwatch demo: the collector keeps serving; Ctrl-C to stop", flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+    server.stop()
+    return 0
+
+
+def _wait_for_detection(client: _Client) -> dict[str, Any]:
+    deadline = time.monotonic() + DETECTION_WAIT_S
+    while True:
+        stats: dict[str, Any] = client.get("/api/v1/detection")
+        done = stats["processed"] + stats["dropped"] >= stats["submitted"] and stats["queue_depth"] == 0
+        if done and stats["anomalies_unsaved"] == 0:
+            return stats
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"detection did not catch up within {DETECTION_WAIT_S:.0f} s: {stats}")
+        time.sleep(0.05)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} ms"

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
@@ -22,6 +25,73 @@ def _env_token() -> str | None:
     return os.environ.get("STEPWATCH_TOKEN") or None
 
 
+def _env_detection() -> bool:
+    return os.environ.get("STEPWATCH_DETECTION", "").strip().lower() not in {"off", "false", "0"}
+
+
+def _env_detection_overrides() -> dict[str, dict[str, Any]]:
+    raw = os.environ.get("STEPWATCH_DETECTION", "").strip()
+    if not raw or raw.lower() in {"on", "true", "1", "off", "false", "0"}:
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"STEPWATCH_DETECTION is not JSON ({exc.msg} at character {exc.pos}): expected an object such "
+            'as {"straggler": {"window_steps": 40}}, or "off"'
+        ) from None
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"STEPWATCH_DETECTION must be a JSON object of {{kind: {{setting: value}}}}, got {raw!r}"
+        )
+    return value
+
+
+def check_detection_overrides(overrides: dict[str, Any]) -> None:
+    """ValueError naming the detector or setting when `overrides` does not fit the detectors."""
+    from stepwatch_server.detect.anomalies import KINDS
+    from stepwatch_server.detect.registry import DETECTORS
+
+    registered = {cls.kind: cls for cls in DETECTORS}
+    for kind, settings in overrides.items():
+        if kind not in KINDS:
+            raise ValueError(
+                f"detection overrides: unknown detector {kind!r}; the detectors are {', '.join(KINDS)}"
+            )
+        if not isinstance(settings, dict):
+            raise ValueError(
+                f"detection overrides for {kind!r}: expected an object of settings, got {settings!r}"
+            )
+        cls = registered.get(kind)
+        if cls is None:
+            continue  # a known kind whose detector is not in this build: nothing to apply
+        fields = {f.name: f for f in dataclasses.fields(cls.Settings)}
+        defaults = cls.Settings()
+        for name, value in settings.items():
+            if name not in fields:
+                known = ", ".join(fields) or "none"
+                raise ValueError(
+                    f"detection overrides: {kind!r} has no setting {name!r} (its settings: {known})"
+                )
+            default = getattr(defaults, name)
+            if not _same_kind(value, default):
+                raise ValueError(
+                    f"detection overrides: {kind}.{name} must be like its default {default!r}, got {value!r}"
+                )
+
+
+def _same_kind(value: Any, default: Any) -> bool:
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(default, bool)
+    if isinstance(default, float):
+        return isinstance(value, int | float)
+    if isinstance(default, int):
+        return isinstance(value, int)
+    if isinstance(default, tuple | list):
+        return isinstance(value, list | tuple)
+    return default is None or isinstance(value, type(default))
+
+
 @dataclass(frozen=True)
 class Settings:
     """What the collector needs to know to start.
@@ -30,12 +100,20 @@ class Settings:
     `postgresql+psycopg://user@host/db` (plain `postgresql://` is accepted and means psycopg 3).
     When `token` is set, `POST /api/v1/ingest` requires `Authorization: Bearer <token>`.
     Defaults come from STEPWATCH_DATABASE_URL and STEPWATCH_TOKEN.
+
+    `detection` runs the detectors on every stored batch (docs/detection.md); `detection_overrides`
+    changes their settings by name, `{kind: {setting: value}}`. Both default from
+    STEPWATCH_DETECTION: `off` turns detection off; a JSON object, e.g.
+    `{"straggler": {"window_steps": 40}}`, is the overrides. An unknown detector or setting, or a
+    value unlike the setting's default, is a ValueError naming it, at start.
     """
 
     database_url: str = field(default_factory=_env_database_url)
     token: str | None = field(default_factory=_env_token)
     max_batch_bytes: int = MAX_BATCH_BYTES
     run_migrations: bool = True
+    detection: bool = field(default_factory=_env_detection)
+    detection_overrides: dict[str, dict[str, Any]] = field(default_factory=_env_detection_overrides)
 
     @classmethod
     def from_env(
@@ -66,5 +144,6 @@ class Settings:
                 f"invalid database URL {self.database_url!r}: use sqlite:///path.db or "
                 "postgresql+psycopg://user@host/db"
             ) from None
+        check_detection_overrides(self.detection_overrides)
         if self.token == "":
             object.__setattr__(self, "token", None)

@@ -15,10 +15,10 @@ import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
-from sqlalchemy import Connection, Engine, select
+from sqlalchemy import Connection, Engine, Table, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
@@ -39,6 +39,7 @@ _UPDATED = (
     "node",
     "last_step",
     "detected_step",
+    "detected_ts",
     "first_ts",
     "last_ts",
     "resolved_step",
@@ -79,6 +80,7 @@ def _row(anomaly: Anomaly, run_id: int, now: dt.datetime) -> dict[str, Any]:
         "first_step": int(anomaly.first_step),
         "last_step": int(anomaly.last_step),
         "detected_step": int(anomaly.detected_step),
+        "detected_ts": float(anomaly.detected_ts),
         "first_ts": float(anomaly.first_ts),
         "last_ts": float(anomaly.last_ts),
         "resolved_step": None if anomaly.resolved_step is None else int(anomaly.resolved_step),
@@ -116,7 +118,7 @@ def save_anomalies(engine: Engine, anomalies: Iterable[Anomaly]) -> int:
 
 def _upsert(conn: Connection) -> Any:
     factory = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
-    stmt = factory(AnomalyRow.__table__)
+    stmt = factory(cast("Table", AnomalyRow.__table__))
     return stmt.on_conflict_do_update(
         index_elements=list(_KEY), set_={name: stmt.excluded[name] for name in _UPDATED}
     )
@@ -168,6 +170,6 @@ def _anomaly(run: str, row: Any) -> Anomaly:
         first_ts=float(row.first_ts),
         last_ts=float(row.last_ts),
         detected_step=int(row.detected_step),
+        detected_ts=float(row.detected_ts),
         evidence=dict(row.evidence or {}),
     )
-

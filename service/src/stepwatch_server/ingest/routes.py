@@ -9,6 +9,7 @@ feeds the detectors hooks in there).
 from __future__ import annotations
 
 import hmac
+import time
 
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
@@ -102,7 +103,13 @@ async def read_body_bounded(request: Request, limit: int) -> bytes:
 
 
 def _after_commit(request: Request, batch: Batch, result: IngestResult) -> None:
-    """Stored batches leave ingest here (nothing listens yet; the detectors' bus will)."""
+    """Stored batches leave ingest here: to the detection worker's queue (never blocks; a full queue
+    drops the batch for detection only). A duplicate is not re-fed; a batch with only steps or a
+    heartbeat is, because that is how hangs are told apart."""
+    worker = request.app.state.detection
+    stored = result.rows > 0 or batch.steps.size > 0 or batch.heartbeat is not None
+    if worker is not None and not result.duplicate and stored:
+        worker.submit(batch, time.monotonic())
 
 
 def _ingest_sync(

@@ -58,6 +58,7 @@ class IngestResult:
     incarnation: int
     run_id: int
     restarted: bool = False  # this batch opened a new incarnation (> 1) of its rank
+    duplicate: bool = False  # (session, seq) was stored before: nothing was written
 
     def answer(self) -> dict[str, Any]:
         return {
@@ -184,7 +185,9 @@ class BatchWriter:
             {"session_id": batch.session, "seq": batch.seq, "received_at": now, "rows": rows},
         ).first()
         if inserted is None:  # (session, seq) already stored: store nothing, say so
-            raise _Duplicate(IngestResult(rows=0, duplicates=rows, incarnation=incarnation, run_id=run_id))
+            raise _Duplicate(
+                IngestResult(rows=0, duplicates=rows, incarnation=incarnation, run_id=run_id, duplicate=True)
+            )
 
         series_ids = self._series(conn, run_id, batch, new_series)
         point_rows: list[PointRow] = []

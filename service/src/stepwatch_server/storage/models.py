@@ -208,8 +208,8 @@ class Anomaly(Base):
 
     The detection engine holds the open ones in memory and rewrites the row when one is updated or
     resolved (detect/store.py); at start the open rows are handed back to the engine, so a restarted
-    collector continues them instead of opening duplicates. `first_ts`/`last_ts`/`resolved_ts` are
-    event times (Unix seconds, from the records), `created_at`/`updated_at` bookkeeping times.
+    collector continues them instead of opening duplicates. `first_ts`/`last_ts`/`detected_ts`/
+    `resolved_ts` are event times (Unix seconds, from the records), `created_at`/`updated_at` bookkeeping times.
     `evidence` holds plain JSON (non-finite numbers as the strings "NaN", "Infinity", "-Infinity").
     """
 
@@ -231,6 +231,7 @@ class Anomaly(Base):
     first_step: Mapped[int] = mapped_column(BigInteger)
     last_step: Mapped[int] = mapped_column(BigInteger)
     detected_step: Mapped[int] = mapped_column(BigInteger)
+    detected_ts: Mapped[float] = mapped_column(Double)
     first_ts: Mapped[float] = mapped_column(Double)
     last_ts: Mapped[float] = mapped_column(Double)
     resolved_step: Mapped[int | None] = mapped_column(BigInteger)

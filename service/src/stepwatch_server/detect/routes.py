@@ -1,0 +1,178 @@
+"""The detection read API: a run's anomalies, open anomalies across runs, run health, worker stats.
+
+An anomaly is answered as stored (detect/store.py): `id`, `run`, `kind`, `key`, `status`,
+`severity`, `rank`, `node`, `first_step`, `last_step`, `detected_step`, `first_ts`, `last_ts`,
+`detected_ts` (event time, Unix seconds), `resolved_step`, `resolved_ts`, `summary`, `evidence`, `created_at`,
+`updated_at`. Non-finite numbers are written "NaN" / "Infinity" / "-Infinity" as everywhere else.
+
+Health: each open anomaly applies to what it blames: a rank-level one (rank set) to that rank, a
+node-level one (node set, no rank) to every rank of that node, a run-level one (neither) to the
+run only. The run's verdict is the worst over all open anomalies; a rank's over those that apply to
+it. Severity `critical` makes the verdict critical, `warning` warning; `info` is listed among the
+reasons but leaves the verdict ok.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from sqlalchemy import Connection, select
+from starlette.responses import Response
+
+from stepwatch_server.detect.anomalies import KINDS, SEVERITIES
+from stepwatch_server.errors import InvalidBatch
+from stepwatch_server.responses import json_response, nonfinite_name
+from stepwatch_server.runs import queries
+from stepwatch_server.runs.routes import Conn
+from stepwatch_server.storage.models import Anomaly as AnomalyRow
+from stepwatch_server.storage.models import Rank, Run
+
+router = APIRouter(prefix="/api/v1", tags=["detection"])
+
+STATUSES = ("open", "resolved")
+VERDICTS = ("ok", "warning", "critical")
+MAX_ANOMALIES = 10_000
+DEFAULT_ANOMALIES = 1000
+
+StatusParam = Annotated[str | None, Query(description="open or resolved (default: both)")]
+KindParam = Annotated[str | None, Query(description=", ".join(KINDS))]
+Limit = Annotated[int, Query(ge=1, le=MAX_ANOMALIES, description="most recent first")]
+
+
+def _choice(name: str, value: str | None, allowed: tuple[str, ...]) -> str | None:
+    if value is None or value in allowed:
+        return value
+    raise InvalidBatch(
+        f"{name}: expected one of {', '.join(allowed)}, got {value!r}", field=name, code="invalid_parameter"
+    )
+
+
+def _num(value: float | None) -> float | str | None:
+    if value is None or math.isfinite(value):
+        return value
+    return nonfinite_name(value)
+
+
+def _shape(row: Any, run: str) -> dict[str, Any]:
+    return {
+        "id": row.id,
+        "run": run,
+        "kind": row.kind,
+        "key": row.key,
+        "status": row.status,
+        "severity": row.severity,
+        "rank": row.rank,
+        "node": row.node,
+        "first_step": row.first_step,
+        "last_step": row.last_step,
+        "detected_step": row.detected_step,
+        "detected_ts": _num(row.detected_ts),
+        "first_ts": _num(row.first_ts),
+        "last_ts": _num(row.last_ts),
+        "resolved_step": row.resolved_step,
+        "resolved_ts": _num(row.resolved_ts),
+        "summary": row.summary,
+        "evidence": row.evidence,
+        "created_at": row.created_at,
+        "updated_at": row.updated_at,
+    }
+
+
+def _select(run_id: int | None, status: str | None, kind: str | None, limit: int) -> Any:
+    stmt = select(*AnomalyRow.__table__.c, Run.name.label("run_name")).join(Run, Run.id == AnomalyRow.run_id)
+    if run_id is not None:
+        stmt = stmt.where(AnomalyRow.run_id == run_id)
+    if status is not None:
+        stmt = stmt.where(AnomalyRow.status == status)
+    if kind is not None:
+        stmt = stmt.where(AnomalyRow.kind == kind)
+    return stmt.order_by(AnomalyRow.last_ts.desc(), AnomalyRow.id.desc()).limit(limit)
+
+
+@router.get("/runs/{run:path}/anomalies", summary="A run's anomalies, most recent first")
+def run_anomalies(
+    run: str,
+    conn: Conn,
+    status: StatusParam = None,
+    kind: KindParam = None,
+    limit: Limit = DEFAULT_ANOMALIES,
+) -> Response:
+    status, kind = _choice("status", status, STATUSES), _choice("kind", kind, KINDS)
+    found = queries.find_run(conn, run)
+    rows = conn.execute(_select(found.id, status, kind, limit)).all()
+    return json_response({"run": found.name, "anomalies": [_shape(r, r.run_name) for r in rows]})
+
+
+@router.get("/anomalies", summary="Anomalies across runs (e.g. ?status=open), most recent first")
+def all_anomalies(
+    conn: Conn, status: StatusParam = None, kind: KindParam = None, limit: Limit = DEFAULT_ANOMALIES
+) -> Response:
+    status, kind = _choice("status", status, STATUSES), _choice("kind", kind, KINDS)
+    rows = conn.execute(_select(None, status, kind, limit)).all()
+    return json_response({"anomalies": [_shape(r, r.run_name) for r in rows]})
+
+
+def _verdict(severities: list[str]) -> str:
+    worst = max((SEVERITIES.index(s) for s in severities if s in SEVERITIES), default=0)
+    return VERDICTS[worst]  # info -> ok, warning -> warning, critical -> critical
+
+
+def _reason(row: Any) -> dict[str, Any]:
+    return {
+        "id": row.id,
+        "kind": row.kind,
+        "severity": row.severity,
+        "summary": row.summary,
+        "first_step": row.first_step,
+    }
+
+
+def health(conn: Connection, run: str) -> dict[str, Any]:
+    """One verdict for the run and one per rank, with the open anomalies that make them."""
+    found = queries.find_run(conn, run)
+    rows = conn.execute(_select(found.id, "open", None, MAX_ANOMALIES)).all()
+    nodes: dict[int, str | None] = dict(
+        conn.execute(select(Rank.rank, Rank.node).where(Rank.run_id == found.id)).tuples().all()
+    )
+    world = max(found.world_size, max(nodes, default=-1) + 1)
+    by_rank: list[list[Any]] = [[] for _ in range(world)]
+    ranks_of: dict[str, list[int]] = {}
+    for r, node in nodes.items():
+        if node is not None:
+            ranks_of.setdefault(node, []).append(r)
+    for row in rows:
+        if row.rank is not None:
+            if 0 <= row.rank < world:
+                by_rank[row.rank].append(row)
+        elif row.node is not None:
+            for r in ranks_of.get(row.node, []):
+                by_rank[r].append(row)
+    ranks = [
+        {
+            "rank": r,
+            "node": nodes.get(r),
+            "verdict": _verdict([a.severity for a in applied]),
+            "reasons": [_reason(a) for a in applied],
+        }
+        for r, applied in enumerate(by_rank)
+    ]
+    return {
+        "run": found.name,
+        "verdict": _verdict([a.severity for a in rows]),
+        "reasons": [_reason(a) for a in rows],
+        "open": len(rows),
+        "ranks": ranks,
+    }
+
+
+@router.get("/runs/{run:path}/health", summary="Verdict (ok / warning / critical) per run and per rank")
+def run_health(run: str, conn: Conn) -> Response:
+    return json_response(health(conn, run))
+
+
+@router.get("/detection", summary="The detection worker: queue, throughput, drops, latency")
+def detection_stats(request: Request) -> Response:
+    worker = request.app.state.detection
+    return json_response(worker.stats() if worker is not None else {"enabled": False})

@@ -1,0 +1,214 @@
+"""The detection bus: stored batches in, anomalies stored, on one background thread.
+
+Ingest hands every stored batch to `DetectionWorker.submit()` right after its commit (the ingest
+route's `_after_commit`). `submit` only puts the batch on a bounded queue and returns: when the
+queue is full the batch is dropped for detection (it is stored all the same), counted, and logged
+once, so that the ingest handler never waits on the detectors. One thread owns the engine (which is
+not thread-safe): it takes what is queued (up to `MAX_BATCHES_PER_ROUND`), feeds the engine, and
+writes the anomalies that changed in one transaction; when nothing arrives for `TICK_INTERVAL_S` it
+lets time pass in the engine (`engine.tick`), which is how a run that went silent becomes a hang.
+
+Per batch it records the latency from the ingest acknowledgement (a monotonic timestamp taken
+when the batch was submitted, just before the answer is sent) to the anomalies of that round being
+stored, in a window of the most recent `LAG_WINDOW` batches; `stats()` gives its p50 and p99.
+
+At start the thread first adopts the open anomalies stored by an earlier process (so that a
+restarted collector updates and resolves them instead of opening duplicates); at stop it drains
+what is queued for at most `STOP_DEADLINE_S` and says how much was left.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import numpy as np
+from sqlalchemy import Engine
+
+from stepwatch_server.detect.anomalies import Anomaly
+from stepwatch_server.detect.engine import DetectionEngine, EngineSettings
+from stepwatch_server.detect.store import load_open, save_anomalies
+from stepwatch_server.ingest.schema import Batch
+
+log = logging.getLogger(__name__)
+
+MAX_QUEUED_BATCHES = 20_000  # ~40 batches from each of 512 ranks; beyond it batches skip detection
+MAX_BATCHES_PER_ROUND = 512  # batches fed between two writes (one transaction per round)
+TICK_INTERVAL_S = 1.0  # engine.tick when idle this long
+LAG_WINDOW = 10_000  # recent per-batch latencies kept for the percentiles
+MAX_UNSAVED_ANOMALIES = 10_000  # changes kept for the next round while the database is failing
+STOP_DEADLINE_S = 5.0
+SAVE_RETRY_S = 1.0  # after a failed write, the next attempt waits this long
+
+
+class DetectionWorker:
+    """One engine, one bounded queue, one thread. `submit` is safe from any thread and never blocks."""
+
+    def __init__(self, engine: Engine, settings: EngineSettings | None = None) -> None:
+        self.db = engine
+        self.engine = DetectionEngine(settings)
+        self._queue: queue.Queue[tuple[Batch, float]] = queue.Queue(MAX_QUEUED_BATCHES)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._lag_s: collections.deque[float] = collections.deque(maxlen=LAG_WINDOW)
+        self._unsaved: dict[int, Anomaly] = {}
+        self.submitted = 0
+        self.processed = 0
+        self.dropped = 0
+        self.dropped_unsaved = 0
+        self.errors = 0
+        self.saved = 0
+        self.adopted = 0
+        self._warned_full = False
+        self._warned_error = False
+        self._deadline_s = STOP_DEADLINE_S
+
+    # -- life cycle -----------------------------------------------------------------------------
+    def start(self) -> DetectionWorker:
+        self._thread = threading.Thread(target=self._run, name="stepwatch-detection", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, deadline_s: float = STOP_DEADLINE_S) -> None:
+        """Process what is queued for at most `deadline_s`, store it, and stop the thread."""
+        self._deadline_s = deadline_s
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(deadline_s + TICK_INTERVAL_S + 1.0)  # + the wait in progress, the last write
+            if self._thread.is_alive():
+                log.warning(
+                    "detection: stopped with %d batches not processed after %.1f s",
+                    self._queue.qsize(),
+                    deadline_s,
+                )
+
+    # -- the ingest side ------------------------------------------------------------------------
+    def submit(self, batch: Batch, ack_monotonic: float | None = None) -> bool:
+        """Queue a stored batch for detection; False when it was dropped (queue full or stopping)."""
+        ack = time.monotonic() if ack_monotonic is None else ack_monotonic
+        with self._lock:
+            self.submitted += 1
+        if self._stop.is_set():
+            return self._drop("the detection worker is stopping")
+        try:
+            self._queue.put_nowait((batch, ack))
+        except queue.Full:
+            return self._drop(f"the detection queue is full ({MAX_QUEUED_BATCHES} batches)")
+        return True
+
+    def _drop(self, why: str) -> bool:
+        with self._lock:
+            self.dropped += 1
+            warn, self._warned_full = not self._warned_full, True
+        if warn:
+            log.warning("detection: %s; batches are stored but skip detection (counted as dropped)", why)
+        return False
+
+    # -- the thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        self._adopt()
+        last_tick = time.monotonic()
+        stop_at: float | None = None
+        while True:
+            if self._stop.is_set() and stop_at is None:
+                stop_at = time.monotonic() + self._deadline_s
+            if stop_at is not None and (self._queue.empty() or time.monotonic() > stop_at):
+                break
+            items = self._take(timeout_s=max(0.0, TICK_INTERVAL_S - (time.monotonic() - last_tick)))
+            changed: list[Anomaly] = []
+            for batch, _ in items:
+                changed += self._guard("feed", self.engine.feed, batch, time.time()) or []
+            if time.monotonic() - last_tick >= TICK_INTERVAL_S:
+                changed += self._guard("tick", self.engine.tick, time.time()) or []
+                last_tick = time.monotonic()
+            self._store(changed)
+            if items:
+                done = time.monotonic()
+                with self._lock:
+                    self._lag_s.extend(done - ack for _, ack in items)
+                    self.processed += len(items)
+        self._store([])  # a last attempt for what a failed write left
+        if not self._queue.empty():
+            log.warning("detection: %d queued batches left unprocessed at stop", self._queue.qsize())
+
+    def _take(self, timeout_s: float) -> list[tuple[Batch, float]]:
+        try:
+            items = [self._queue.get(timeout=timeout_s) if timeout_s > 0 else self._queue.get_nowait()]
+        except queue.Empty:
+            return []
+        while len(items) < MAX_BATCHES_PER_ROUND:
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return items
+
+    def _store(self, changed: list[Anomaly]) -> None:
+        for anomaly in changed:
+            self._unsaved[anomaly.local_id] = anomaly
+        if not self._unsaved:
+            return
+        written = self._guard("store", save_anomalies, self.db, list(self._unsaved.values()))
+        if written is None:  # the database failed: keep the changes (bounded) for the next round
+            excess = len(self._unsaved) - MAX_UNSAVED_ANOMALIES
+            for local_id in list(self._unsaved)[: max(0, excess)]:
+                del self._unsaved[local_id]
+                self.dropped_unsaved += 1
+            self._stop.wait(SAVE_RETRY_S)
+            return
+        self._unsaved.clear()
+        with self._lock:
+            self.saved += written
+
+    def _adopt(self) -> None:
+        runs = self._guard("adopt", load_open, self.db) or []
+        for run in runs:
+            self.engine.adopt(run.name, run.world_size, run.anomalies)
+            self.adopted += len(run.anomalies)
+        if self.adopted:
+            log.info("detection: continuing %d open anomalies of %d runs", self.adopted, len(runs))
+
+    def _guard(self, what: str, fn: Any, *args: Any) -> Any:
+        """Run one step of the worker; an internal error is logged (fully the first time), counted,
+        and the worker goes on with the next batch."""
+        try:
+            return fn(*args)
+        except Exception:
+            with self._lock:
+                self.errors += 1
+                first, self._warned_error = not self._warned_error, True
+            if first:
+                log.exception("detection: %s failed (further failures are counted, not logged)", what)
+            return None
+
+    # -- observation ----------------------------------------------------------------------------
+    def idle(self) -> bool:
+        """Nothing queued and every submitted batch processed or dropped."""
+        with self._lock:
+            return self._queue.empty() and self.processed + self.dropped >= self.submitted
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            lag = np.array(self._lag_s, dtype=np.float64)
+            out: dict[str, Any] = {
+                "enabled": True,
+                "queue_depth": self._queue.qsize(),
+                "queue_capacity": MAX_QUEUED_BATCHES,
+                "submitted": self.submitted,
+                "processed": self.processed,
+                "dropped": self.dropped,
+                "errors": self.errors,
+                "anomalies_saved": self.saved,
+                "anomalies_unsaved": len(self._unsaved),
+                "adopted": self.adopted,
+                "runs": len(self.engine.runs),
+            }
+        p50, p99 = (np.percentile(lag, [50, 99]) * 1000.0).tolist() if lag.size else (None, None)
+        out["lag_ms"] = {"p50": p50, "p99": p99, "max": float(lag.max() * 1000.0) if lag.size else None}
+        out["lag_samples"] = int(lag.size)
+        return out
