@@ -133,9 +133,9 @@ def health(conn: Connection, run: str) -> dict[str, Any]:
     """One verdict for the run and one per rank, with the open anomalies that make them."""
     found = queries.find_run(conn, run)
     rows = conn.execute(_select(found.id, "open", None, MAX_ANOMALIES)).all()
-    nodes: dict[int, str | None] = dict(
-        conn.execute(select(Rank.rank, Rank.node).where(Rank.run_id == found.id)).tuples().all()
-    )
+    nodes: dict[int, str | None] = {
+        r.rank: r.node for r in conn.execute(select(Rank.rank, Rank.node).where(Rank.run_id == found.id))
+    }
     world = max(found.world_size, max(nodes, default=-1) + 1)
     by_rank: list[list[Any]] = [[] for _ in range(world)]
     ranks_of: dict[str, list[int]] = {}

@@ -106,7 +106,7 @@ def save_anomalies(engine: Engine, anomalies: Iterable[Anomaly]) -> int:
     now = dt.datetime.now(dt.UTC)
     with write_transaction(engine) as conn:
         names = sorted({run for run, _, _, _ in latest})
-        ids = dict(conn.execute(select(Run.name, Run.id).where(Run.name.in_(names))).tuples().all())
+        ids = {r.name: r.id for r in conn.execute(select(Run.name, Run.id).where(Run.name.in_(names)))}
         rows = [_row(a, ids[a.run], now) for a in latest.values() if a.run in ids]
         missing = sorted(set(names) - set(ids))
         if missing:
