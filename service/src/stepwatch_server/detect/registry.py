@@ -3,5 +3,12 @@
 from __future__ import annotations
 
 from stepwatch_server.detect.base import Detector
+from stepwatch_server.detect.detectors.divergence import DivergenceDetector
+from stepwatch_server.detect.detectors.loss_spike import LossSpikeDetector
+from stepwatch_server.detect.detectors.nonfinite import NonFiniteDetector
 
-DETECTORS: list[type[Detector]] = []
+DETECTORS: list[type[Detector]] = [
+    NonFiniteDetector,
+    LossSpikeDetector,
+    DivergenceDetector,
+]

@@ -1,0 +1,228 @@
+"""`nonfinite`: NaN or Inf in a rank's loss, gradients or tracked activations.
+
+Why it matters: one NaN that reaches the optimizer poisons every parameter it touches, and in
+data-parallel training the gradient all-reduce spreads it to every replica on the same step. A
+grad scaler or a skip-non-finite guard may skip the step, but a model that produces NaN once
+usually does it again (a bad sample, an overflowing layer, a broken GPU), and the person who can fix
+it needs to know which rank and which layer started it, on the step it happened.
+
+Signal (per step, all ranks at once): the agent's `nonfinite.loss`, `nonfinite.grads` and
+`nonfinite.activations` flags (and the agent's `nonfinite` events), plus a loss value that is +-Inf;
+a NaN loss counts only from a sender without flags that reported a finite loss before (in a frame
+NaN also means "not reported"). The first module comes from the
+rank's `nonfinite` event at that step (`data.module`, `data.where`); without one, from the first
+tracked tensor whose amax is non-finite on that rank.
+
+Blame (the physics of the all-reduce): after the gradient all-reduce every rank's gradients are
+non-finite, so the grads flag alone does not say who. The culprits are the ranks whose loss or
+activations were non-finite; only when no rank has those (an overflow in backward) is it the grads,
+and when (nearly) every rank has them the anomaly is the run's, with no rank blamed.
+
+Evidence: `ranks` (culprits, first `MAX_RANKS_LISTED`), `n_ranks`, `where` (loss / activations /
+grads), `module`, `grads_ranks` (how many ranks had non-finite gradients), `steps` (non-finite steps
+while open).
+
+Defaults: raised on the step itself (time-to-detect 0: there is nothing to wait for, a NaN is never
+noise). Critical when the loss or activations are non-finite, or when gradients overflow on
+`grads_critical_steps` steps in a row; a single-step gradient overflow with finite loss is what
+dynamic loss scaling (fp16 AMP) does routinely, so it is a warning. Resolved after `clear_steps`
+clean steps (20: a NaN stretch that resumes after a few skipped steps is the same problem).
+At most `max_rank_anomalies` culprit ranks get an anomaly each (their health turns critical); more
+culprits than that is a run-wide failure, reported once for the run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from stepwatch_server.detect.base import Detector, DetectorSettings
+from stepwatch_server.detect.context import RunContext
+from stepwatch_server.detect.frames import StepFrame
+
+KIND = "nonfinite"
+RUN_KEY = "run"
+MAX_RANKS_LISTED = 16  # culprit ranks listed in evidence and summaries
+
+
+@dataclass(frozen=True)
+class NonFiniteSettings(DetectorSettings):
+    clear_steps: int = 20  # clean steps (frames) before an open anomaly resolves
+    grads_critical_steps: int = 3  # consecutive gradient-only overflows that are no longer AMP routine
+    max_rank_anomalies: int = 8  # culprits beyond this many are one run-wide anomaly
+    all_ranks_fraction: float = 0.9  # culprits covering this share of the ranks: run-wide
+
+
+class NonFiniteDetector(Detector):
+    kind: ClassVar[str] = KIND
+    Settings: ClassVar[type[DetectorSettings]] = NonFiniteSettings
+
+    def __init__(self, ctx: RunContext, settings: DetectorSettings) -> None:
+        super().__init__(ctx, settings)
+        self.s: NonFiniteSettings = settings  # type: ignore[assignment]
+        n = ctx.world_size
+        self._had_loss = np.zeros(n, dtype=bool)  # the rank has reported a finite loss before
+        self._clean = np.zeros(n + 1, dtype=np.int64)  # clean frames since the last bad one (last: run)
+        self._grads_streak = 0
+        self._modules: dict[str, str | None] = {}  # open key -> first module seen (events come once)
+        self._steps: dict[str, int] = {}  # open key -> non-finite steps while open
+
+    # -- per step ----------------------------------------------------------------------------------
+    def on_frame(self, frame: StepFrame) -> None:
+        n = frame.world_size
+        loss = frame.metrics.get("loss")
+        bad_loss = self._flag(frame, "nonfinite.loss")
+        if loss is not None:
+            bad_loss |= np.isinf(loss)
+            if "nonfinite.loss" not in frame.metrics:  # no flags sent: a NaN from a rank that had a loss
+                bad_loss |= np.isnan(loss) & frame.present & self._had_loss
+            self._had_loss |= np.isfinite(loss)
+        bad_act = self._flag(frame, "nonfinite.activations")
+        bad_grads = self._flag(frame, "nonfinite.grads")
+        grad_norm = frame.metrics.get("grad_norm")
+        if grad_norm is not None:
+            bad_grads |= np.isinf(grad_norm)
+        events = {r: e.data for r, e in frame.events if e.kind == KIND and isinstance(e.data, dict)}
+        for r, data in events.items():  # the agent's event is a flag too
+            where = data.get("where") or []
+            bad_loss[r] |= "loss" in where
+            bad_act[r] |= "activations" in where
+            bad_grads[r] |= "grads" in where
+
+        culprits = np.flatnonzero(bad_loss | bad_act)
+        grads_only = culprits.size == 0
+        if grads_only:
+            culprits = np.flatnonzero(bad_grads)
+        self._grads_streak = self._grads_streak + 1 if grads_only and culprits.size else 0
+
+        bad_keys: set[str] = set()
+        if culprits.size:
+            run_wide = culprits.size > self.s.max_rank_anomalies or (
+                culprits.size >= self.s.all_ranks_fraction * n and n > 1
+            )
+            keys = [RUN_KEY] if run_wide else [f"rank:{int(r)}" for r in culprits]
+            for key in keys:
+                self._raise(frame, key, culprits, bad_loss, bad_act, bad_grads, events, grads_only)
+            bad_keys.update(keys)
+        self._resolve_cleared(frame, bad_keys)
+
+    def _flag(self, frame: StepFrame, name: str) -> np.ndarray:
+        col = frame.metrics.get(name)
+        if col is None:
+            return np.zeros(frame.world_size, dtype=bool)
+        return np.nan_to_num(col, nan=0.0) != 0
+
+    # -- anomalies ---------------------------------------------------------------------------------
+    def _raise(
+        self,
+        frame: StepFrame,
+        key: str,
+        culprits: np.ndarray,
+        bad_loss: np.ndarray,
+        bad_act: np.ndarray,
+        bad_grads: np.ndarray,
+        events: dict[int, dict[str, Any]],
+        grads_only: bool,
+    ) -> None:
+        rank = int(key.split(":")[1]) if key != RUN_KEY else None
+        mine = culprits if rank is None else np.array([rank])
+        module = self._modules.get(key) or self._first_module(frame, mine, events)
+        where = [
+            w
+            for w, flags in (("activations", bad_act), ("loss", bad_loss), ("grads", bad_grads))
+            if flags[mine].any()
+        ]
+        self._modules[key] = module
+        self._steps[key] = self._steps.get(key, 0) + 1
+        n_grads = int(bad_grads.sum())
+        critical = not grads_only or self._grads_streak >= self.s.grads_critical_steps
+        listed = [int(r) for r in culprits[:MAX_RANKS_LISTED]]
+        evidence: dict[str, Any] = {
+            "ranks": listed,
+            "n_ranks": int(culprits.size),
+            "where": where,
+            "module": module,
+            "grads_ranks": n_grads,
+            "steps": self._steps[key],
+            "step": frame.step,
+        }
+        self.ctx.book.raise_(
+            KIND,
+            key,
+            step=frame.step,
+            ts=frame.ts,
+            severity="critical" if critical else "warning",
+            summary=self._summary(frame, rank, culprits, where, module, n_grads, grads_only),
+            evidence=evidence,
+            rank=rank,
+            node=self.ctx.node[rank] if rank is not None else None,
+        )
+        slot = frame.world_size if rank is None else rank
+        self._clean[slot] = 0
+
+    def _first_module(
+        self, frame: StepFrame, ranks: np.ndarray, events: dict[int, dict[str, Any]]
+    ) -> str | None:
+        for r in ranks.tolist():
+            module = events.get(r, {}).get("module")
+            if module:
+                return str(module)
+        amax = frame.tensors.get("amax", {})  # sampled steps, modules in model order
+        for r in ranks.tolist():
+            if not any(np.isfinite(v[r]) for v in amax.values()):
+                continue  # NaN everywhere: this rank shipped no tensors at this step
+            for name, values in amax.items():
+                if not np.isfinite(values[r]):
+                    return name
+        return None
+
+    def _summary(
+        self,
+        frame: StepFrame,
+        rank: int | None,
+        culprits: np.ndarray,
+        where: list[str],
+        module: str | None,
+        n_grads: int,
+        grads_only: bool,
+    ) -> str:
+        n = frame.world_size
+        if rank is not None:
+            who = self.ctx.where(rank)
+            others = [int(r) for r in culprits if r != rank][:MAX_RANKS_LISTED]
+            also = (
+                f" (also rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})"
+                if others
+                else ""
+            )
+        else:
+            who = f"{culprits.size} of {n} ranks" if culprits.size < n else f"all {n} ranks"
+            also = ""
+        what = "/".join(where) or "values"
+        first = f", first in {module}" if module else ""
+        spread = ""
+        if not grads_only and n_grads:
+            spread = f"; gradients non-finite on {n_grads} of {n} ranks after the all-reduce"
+        hint = " (gradient overflow: loss and activations finite)" if grads_only else ""
+        anomaly = self.ctx.book.get(KIND, f"rank:{rank}" if rank is not None else RUN_KEY)
+        when = f"at step {frame.step}"
+        if anomaly is not None and anomaly.first_step != frame.step:
+            steps = self._steps.get(anomaly.key, 0)
+            when = f"since step {anomaly.first_step} ({steps} non-finite steps, latest {frame.step})"
+        return f"{who}: NaN/Inf in {what}{first} {when}{also}{spread}{hint}"
+
+    def _resolve_cleared(self, frame: StepFrame, bad_keys: set[str]) -> None:
+        self._clean += 1
+        for anomaly in self.ctx.book.open_of(KIND):
+            if anomaly.key in bad_keys:
+                continue
+            slot = frame.world_size if anomaly.rank is None else anomaly.rank
+            if self._clean[slot] >= self.s.clear_steps:
+                self.ctx.book.resolve(
+                    KIND, anomaly.key, step=frame.step, ts=frame.ts,
+                    note=f"finite again for {self.s.clear_steps} steps",
+                )  # fmt: skip
+                self._modules.pop(anomaly.key, None)
+                self._steps.pop(anomaly.key, None)

@@ -1,0 +1,67 @@
+"""nonfinite: NaN/Inf found on the step itself, blamed on the rank(s) whose loss/activations went bad
+(not on every rank whose gradients the all-reduce poisoned), naming the first module."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from stepwatch_server.simulate import SCENARIOS, Simulation
+from stepwatch_server.simulate.scenario import NonFinite
+from stepwatch_server.simulate.score import Score, score_scenario
+from tests.detect.helpers import run_scenario, scenario
+
+KINDS = ("nonfinite",)
+
+
+def _score(sim: Simulation, anomalies: list) -> Score:
+    dets = [{**a.as_dict(), "detected_at_step": a.detected_step} for a in anomalies]
+    return score_scenario(Score(), sim.scenario.name, sim.labels, dets, steps=sim.scenario.last_step)
+
+
+def test_nan_in_one_layer_names_rank_and_module_on_the_step() -> None:
+    sim, found = run_scenario(scenario("nonfinite_act_8"), kinds=KINDS)
+    assert len(found) == 1
+    a = found[0]
+    assert (a.kind, a.rank, a.detected_step, a.severity) == ("nonfinite", 5, 1234, "critical")
+    assert a.evidence["module"] == "layers.3.attn.qkv"
+    assert a.evidence["grads_ranks"] == 8  # the all-reduce spread it; the blame stays on rank 5
+    assert "rank 5" in a.summary and "layers.3.attn.qkv" in a.summary
+    assert a.status == "resolved"
+    ks = _score(sim, found).kinds["nonfinite"]
+    assert ks.recall == 1.0 and ks.precision == 1.0 and ks.ttd_steps == [0]
+
+
+def test_bad_sample_blames_its_rank_only() -> None:
+    _, found = run_scenario(scenario("nonfinite_loss_64", steps=1000), kinds=KINDS)
+    assert [(a.rank, a.detected_step) for a in found] == [(40, 777)]
+    assert found[0].evidence["where"] == ["loss", "grads"]
+
+
+def test_two_culprits_then_a_gradient_overflow_everywhere() -> None:
+    sc = dataclasses.replace(
+        SCENARIOS["nonfinite_multi_128"], world_size=16, steps=1100,
+        faults=(NonFinite(600, ranks=(3, 11), module="lm_head"), NonFinite(900, where="grads")),
+    )  # fmt: skip
+    sim, found = run_scenario(sc, kinds=KINDS)
+    culprits = sorted((a.rank, a.detected_step, a.evidence["module"]) for a in found if a.rank is not None)
+    assert culprits == [(3, 600, "lm_head"), (11, 600, "lm_head")]
+    run_wide = [a for a in found if a.rank is None]
+    assert [(a.detected_step, a.evidence["where"]) for a in run_wide] == [(900, ["grads"])]
+    assert run_wide[0].severity == "warning"  # one overflow step with a finite loss: AMP's routine skip
+    s = _score(sim, found).kinds["nonfinite"]
+    assert s.recall == 1.0 and s.fp == 0 and max(s.ttd_steps) == 0
+
+
+def test_parameters_gone_is_one_run_wide_anomaly_that_stays_open() -> None:
+    sim, found = run_scenario(scenario("divergence_nan_64", world_size=16, steps=2700), kinds=KINDS)
+    assert len(found) == 1
+    a = found[0]
+    assert (a.rank, a.detected_step, a.status, a.severity) == (None, 2540, "open", "critical")
+    assert a.evidence["module"] == "layers.0.attn.qkv"  # from the first step's event, kept while open
+    assert "since step 2540" in a.summary
+    assert _score(sim, found).kinds["nonfinite"].recall == 1.0
+
+
+def test_clean_run_is_quiet() -> None:
+    _, found = run_scenario(scenario("clean_8"), kinds=KINDS)
+    assert found == []
