@@ -48,13 +48,15 @@ def fresh_database(backend: str, directory: Path) -> Iterator[str]:
 
 
 def table_counts(url: str) -> dict[str, int]:
-    """Rows in every table of the schema: the 'database unchanged' check."""
+    """Rows in every table ingest writes: the 'database unchanged' check. `anomalies` is left out: the
+    detection worker writes it asynchronously, after the answer (and on its own timer)."""
     engine = create_engine(url)
     try:
         with engine.connect() as conn:
             return {
                 t.name: int(conn.execute(select(func.count()).select_from(t)).scalar_one())
                 for t in ALL_TABLES
+                if t.name != "anomalies"
             }
     finally:
         engine.dispose()
