@@ -4,11 +4,19 @@ from __future__ import annotations
 
 from stepwatch_server.detect.base import Detector
 from stepwatch_server.detect.detectors.divergence import DivergenceDetector
+from stepwatch_server.detect.detectors.fp8_overflow import Fp8OverflowDetector
+from stepwatch_server.detect.detectors.hang import HangDetector
 from stepwatch_server.detect.detectors.loss_spike import LossSpikeDetector
+from stepwatch_server.detect.detectors.memory_leak import MemoryLeakDetector
 from stepwatch_server.detect.detectors.nonfinite import NonFiniteDetector
+from stepwatch_server.detect.detectors.replica_divergence import ReplicaDivergenceDetector
 
 DETECTORS: list[type[Detector]] = [
     NonFiniteDetector,
     LossSpikeDetector,
     DivergenceDetector,
+    HangDetector,
+    MemoryLeakDetector,
+    ReplicaDivergenceDetector,
+    Fp8OverflowDetector,
 ]

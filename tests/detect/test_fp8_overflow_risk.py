@@ -1,0 +1,50 @@
+"""`fp8_overflow_risk`: amax outgrowing delayed scaling's history, or growing exponentially."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from stepwatch_server.detect import StepFrame
+from stepwatch_server.detect.context import RunContext
+from stepwatch_server.detect.detectors.fp8_overflow import Fp8OverflowDetector
+from tests.detect.helpers import run_scenario, scenario
+
+KINDS = ("fp8_overflow_risk",)
+
+
+def test_growing_logits_are_found_with_growth_and_horizon() -> None:
+    _, anomalies = run_scenario(scenario("fp8_logits_32", steps=1800), kinds=KINDS)
+    (a,) = anomalies
+    ev = a.evidence
+    assert a.key == "module:layers.3.attn.logits" and ev["module"] == "layers.3.attn.logits"
+    assert 1500 <= a.detected_step <= 1800
+    growth = 0.004 / math.log(2)  # the injected rate, in bits per step
+    assert abs(ev["growth_bits_per_step"] - growth) < 0.3 * growth
+    assert ev["steps_to_e4m3"] == int(ev["e4m3_headroom_bits"] / ev["growth_bits_per_step"])
+    assert ev["steps_to_e5m2"] > ev["steps_to_e4m3"] > 0
+    assert "E4M3's 448" in a.summary
+
+
+def test_quiet_on_a_clean_run_with_early_amax_growth() -> None:
+    _, anomalies = run_scenario(scenario("clean_8"), kinds=KINDS)  # the first 3k steps: amax grows early
+    assert anomalies == []
+
+
+def test_jump_above_history_is_critical_with_negative_headroom() -> None:
+    ctx = RunContext("r", 4)
+    det = Fp8OverflowDetector(ctx, Fp8OverflowDetector.Settings())
+    rng = np.random.default_rng(0)
+    for step in range(10, 2010, 10):
+        amax = 20.0 * np.exp(rng.normal(0, 0.02, 4))
+        if step == 1500:
+            amax[2] *= 3.0
+        det.on_frame(
+            StepFrame("r", step, float(step), np.ones(4, dtype=bool), {}, tensors={"amax": {"fc1": amax}})
+        )
+        if step == 1500:
+            (a,) = ctx.book.open.values()
+            assert a.severity == "critical" and a.evidence["jump"] and a.evidence["rank"] == 2
+            assert -1.7 < a.evidence["headroom_bits"] < -1.4  # log2(1/3) + noise
+    assert not ctx.book.open  # back inside the history: resolved after the clear samples
