@@ -191,6 +191,8 @@ class DivergenceDetector(Detector):
             )
         book = self.ctx.book
         if modes:
+            if up is not None:  # whatever opened it, the loss started leaving when it rose
+                first.append((up["step"], up["ts"]))
             self._clear = 0
             step0, ts0 = min(first)
             ev["modes"] = modes
