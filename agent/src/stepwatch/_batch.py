@@ -73,10 +73,6 @@ def _amax(low: float, high: float) -> float | None:
     return None if low > high else max(-low, high)
 
 
-def _nonfinite(v: float | None) -> int | None:
-    return None if v is None else int(not math.isfinite(v))
-
-
 class Decoder:
     """Chunks -> rows. Derives the non-finite flags from the device-side reductions and emits a
     `nonfinite` event on the first non-finite step (again after the values were finite once more)."""
@@ -85,47 +81,49 @@ class Decoder:
         self._in_nonfinite = False
 
     def decode(self, chunk: Chunk) -> tuple[list[Row], list[dict[str, Any]]]:
+        # One host read per chunk; each step below takes slices of the Python list.
         values: list[float] = chunk.values.tolist() if chunk.values is not None else []
         rows, events = [], []
-        for i, rec in enumerate(chunk.records):
-            seg = values[rec.offset : rec.offset + rec.length]
-            m = dict(rec.host)
+        for rec in chunk.records:
+            m = rec.host  # the record's own dict: no copy
             if rec.marks is not None:
                 _cuda_times(rec, m)
-            k = 0
-            for name in rec.hook_names:
-                m[name] = seg[k]
-                k += 1
-            if rec.loss_div > 1 and m.get("loss") is not None:
-                m["loss"] = m["loss"] / rec.loss_div  # type: ignore[operator]
+            k = rec.offset
+            if rec.hook_names:
+                m.update(zip(rec.hook_names, values[k : k + len(rec.hook_names)], strict=True))
+                k += len(rec.hook_names)
+                if rec.loss_div > 1 and m.get("loss") is not None:
+                    m["loss"] = m["loss"] / rec.loss_div  # type: ignore[operator]
             gn = m.get("grad_norm")
             if gn is not None:
                 m["grad_sumsq"] = gn * gn  # this rank's (shard's) own norm, before any override
-            for name in rec.log_names:
-                m[name] = seg[k]
-                k += 1
-            pairs = seg[k : k + 2 * len(rec.amax_names)]
-            k += len(pairs)
-            amax = [_amax(low, high) for low, high in zip(pairs[::2], pairs[1::2], strict=True)]
-            grads = seg[k : k + len(rec.grad_names)]
-            k += len(grads)
+            if rec.log_names:
+                m.update(zip(rec.log_names, values[k : k + len(rec.log_names)], strict=True))
+                k += len(rec.log_names)
             row = Row(rec.step, rec.ts, m)
-            if rec.fingerprint:
-                w = [int(x) for x in seg[k : k + 4]]
-                row.fingerprint = f"{mix64(w[0] | w[1] << 16 | w[2] << 32 | w[3] << 48):016x}"
-            bad = [j for j, a in enumerate(amax) if a is not None and not math.isfinite(a)]
-            flags = {
-                "activations": int(bool(bad)) if amax else None,
-                "loss": _nonfinite(m.get("loss")),
-                "grads": _nonfinite(m.get("grad_norm")),
-            }
-            for where, flag in flags.items():
-                m[f"nonfinite.{where}"] = flag
-            where_bad = [w for w, f in flags.items() if f]
-            if rec.ship_amax or bad:
-                row.amax = dict(zip(rec.amax_names, amax, strict=True))
+            bad: list[int] = []
+            if rec.amax_names:
+                pairs = values[k : k + 2 * len(rec.amax_names)]
+                # Finite sum: every value finite (the common case; no per-module work unless sampled).
+                if rec.ship_amax or not math.isfinite(sum(pairs)):
+                    amax = [_amax(low, high) for low, high in zip(pairs[::2], pairs[1::2], strict=True)]
+                    bad = [j for j, a in enumerate(amax) if a is not None and not math.isfinite(a)]
+                    if rec.ship_amax or bad:
+                        row.amax = dict(zip(rec.amax_names, amax, strict=True))
+                m["nonfinite.activations"] = int(bool(bad))
+            else:
+                m["nonfinite.activations"] = None
+            loss, grad = m.get("loss"), m.get("grad_norm")
+            m["nonfinite.loss"] = None if loss is None else int(not math.isfinite(loss))
+            m["nonfinite.grads"] = None if grad is None else int(not math.isfinite(grad))
+            k = rec.voffset
             if rec.grad_names:
-                row.grads = dict(zip(rec.grad_names, grads, strict=True))
+                row.grads = dict(zip(rec.grad_names, values[k : k + len(rec.grad_names)], strict=True))
+                k += len(rec.grad_names)
+            if rec.fingerprint:
+                w = [int(x) for x in values[k : k + 4]]
+                row.fingerprint = f"{mix64(w[0] | w[1] << 16 | w[2] << 32 | w[3] << 48):016x}"
+            where_bad = [w for w in ("activations", "loss", "grads") if m[f"nonfinite.{w}"]]
             if where_bad and not self._in_nonfinite:
                 module = rec.amax_names[bad[0]] if bad else None
                 events.append(
@@ -137,9 +135,9 @@ class Decoder:
                     }
                 )
             self._in_nonfinite = bool(where_bad)
-            if i == len(chunk.records) - 1:
-                m["mem.rss_mb"] = rss_mb()
             rows.append(row)
+        if rows:
+            rows[-1].metrics["mem.rss_mb"] = rss_mb()
         return rows, events
 
 
@@ -159,14 +157,19 @@ def build(
     events: list[dict[str, Any]],
     heartbeat: dict[str, Any],
 ) -> dict[str, Any]:
-    """A schema-1 batch: `head` holds schema, identity, session, seq and agent."""
+    """A schema-1 batch: `head` holds schema, identity, session, seq and agent.
+
+    Columns hold raw floats (NaN and infinities included); `encode` writes those as the strings the
+    ingest format names.
+    """
     batch = dict(head)
     batch["steps"] = [r.step for r in rows]
     batch["timestamps"] = [r.ts for r in rows]
     names: dict[str, None] = {}
-    for r in rows:
-        names.update(dict.fromkeys(r.metrics))
-    batch["metrics"] = {n: [num(r.metrics.get(n)) for r in rows] for n in names}
+    metrics = [r.metrics for r in rows]
+    for m in metrics:
+        names.update(dict.fromkeys(m))
+    batch["metrics"] = {n: [m.get(n) for m in metrics] for n in names}
     sampled = [r for r in rows if r.amax is not None or r.grads is not None]
     if sampled:
         stats: dict[str, dict[str, list[Value]]] = {}
@@ -174,10 +177,10 @@ def build(
         for r in sampled:
             amax_names.update(dict.fromkeys(r.amax or ()))
         if amax_names:
-            stats["amax"] = {n: [num((r.amax or {}).get(n)) for r in sampled] for n in amax_names}
+            stats["amax"] = {n: [(r.amax or {}).get(n) for r in sampled] for n in amax_names}
         grad_names = _top_names(sampled)
         if grad_names:
-            stats["grad_norm"] = {n: [num((r.grads or {}).get(n)) for r in sampled] for n in grad_names}
+            stats["grad_norm"] = {n: [(r.grads or {}).get(n) for r in sampled] for n in grad_names}
         batch["tensors"] = {"steps": [r.step for r in sampled], "stats": stats}
     fps = [r for r in rows if r.fingerprint is not None]
     if fps:
@@ -188,7 +191,24 @@ def build(
     return batch
 
 
+def _as_strings(batch: dict[str, Any]) -> dict[str, Any]:
+    """The batch with every non-finite column value written as "NaN", "Infinity" or "-Infinity"."""
+    out = dict(batch)
+    out["metrics"] = {n: [num(v) for v in col] for n, col in batch.get("metrics", {}).items()}
+    if "tensors" in batch:
+        stats = batch["tensors"]["stats"]
+        out["tensors"] = {
+            "steps": batch["tensors"]["steps"],
+            "stats": {s: {n: [num(v) for v in col] for n, col in cols.items()} for s, cols in stats.items()},
+        }
+    return out
+
+
 def encode(batch: dict[str, Any]) -> bytes:
-    """gzip-compressed JSON; allow_nan=False because non-finite values were written as strings."""
-    text = json.dumps(batch, allow_nan=False, separators=(",", ":"))
+    """gzip-compressed JSON. Non-finite values must be strings: the first dump (C code, no per-value
+    Python) writes them as bare NaN/Infinity tokens; only then is the batch converted and dumped again
+    (a name containing "NaN" or "Infinity" takes that path too, harmlessly)."""
+    text = json.dumps(batch, separators=(",", ":"))
+    if "NaN" in text or "Infinity" in text:
+        text = json.dumps(_as_strings(batch), allow_nan=False, separators=(",", ":"))
     return gzip.compress(text.encode("utf-8"), compresslevel=GZIP_LEVEL)

@@ -18,16 +18,27 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def transfer(records: list[StepRecord], cuda: bool) -> Chunk:
-    """Concatenate the records' device values and start one copy to host memory; no sync."""
-    parts: list[torch.Tensor] = []
-    offset = 0
+    """Pack the records' device values into one tensor and start one copy to host memory; no sync.
+
+    The 0-dim scalars of all steps go through one `torch.stack` (cheaper than a `reshape(1)` per
+    value and a `cat`), the few 1-dim vectors (sampled grad norms, fingerprints) follow them.
+    """
+    scalars: list[torch.Tensor] = []
+    vectors: list[torch.Tensor] = []
     for rec in records:
-        rec.offset = offset
-        rec.length = sum(p.numel() for p in rec.parts)
-        offset += rec.length
-        parts.extend(rec.parts)
-        rec.parts = []
-    values = torch.cat(parts) if parts else None
+        rec.offset = len(scalars)
+        scalars += rec.scalars
+        rec.scalars = []
+    offset = len(scalars)
+    for rec in records:
+        rec.voffset = offset
+        for v in rec.vectors:
+            offset += v.numel()
+            vectors.append(v)
+        rec.vectors = []
+    values = torch.stack(scalars) if scalars else None
+    if vectors:
+        values = torch.cat([values, *vectors] if values is not None else vectors)
     if not cuda:
         return Chunk(records, values)
     host = None

@@ -44,24 +44,25 @@ class Counters:
 class Guard:
     """Switches a feature off at its first internal error, logs it once and counts it.
 
-    Hooks test `guard.on(feature)` (a dict lookup) and wrap their body in try/except calling
+    Hooks test `feature in guard.off` (a set that stays empty while all is well, so that the hot path
+    reads it without a call; `guard.on(feature)` elsewhere) and wrap their body in try/except calling
     `guard.fail(feature, exc)`. Features: "steps" (everything per step), "loss", "grads", "amax",
     "timing", "fingerprint", "log", "memory", "sender", "spool".
     """
 
     def __init__(self, counters: Counters) -> None:
         self.counters = counters
-        self._off: set[str] = set()
+        self.off: set[str] = set()
         self._logged: set[str] = set()
 
     def on(self, feature: str) -> bool:
-        return feature not in self._off
+        return feature not in self.off
 
     def fail(self, feature: str, exc: BaseException, disable: bool = True) -> None:
         try:
             self.counters.add("internal_errors")
             if disable:
-                self._off.add(feature)
+                self.off.add(feature)
             if feature not in self._logged:
                 self._logged.add(feature)
                 logger.error(
@@ -75,4 +76,4 @@ class Guard:
             pass
 
     def disable_all(self) -> None:
-        self._off.add("steps")
+        self.off.add("steps")

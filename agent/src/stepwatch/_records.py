@@ -17,9 +17,16 @@ class Live:
 
 @dataclass(slots=True)
 class StepRecord:
-    """One finished step. Its device values are a segment of a chunk's host tensor, in this order:
-    `hook_names` scalars, `log_names` scalars, (min, max) of each of `amax_names` (min > max: it did not run),
-    one grad norm per `grad_names`, then 4 float 16-bit words of the fingerprint when `fingerprint`."""
+    """One finished step.
+
+    Its device values live in the host copy of a chunk (`Chunk.values`), in two places:
+    - from `offset`: one scalar per `hook_names`, one per `log_names`, then (min, max) of each of
+      `amax_names` (min > max: the module did not run this step);
+    - from `voffset`: one grad norm per `grad_names`, then 4 float 16-bit words of the fingerprint
+      when `fingerprint`.
+    Until the transfer, `scalars` holds the 0-dim device tensors of the first part and `vectors` the
+    1-dim ones of the second (few steps have any).
+    """
 
     step: int
     ts: float
@@ -34,9 +41,14 @@ class StepRecord:
     # (previous step end, [(forward start, forward end), ...], optimizer start, step end): CUDA events
     # read by the sender once the chunk's copy has completed; None on CPU (timings are in `host`).
     marks: tuple[Any, list[tuple[Any, Any]], Any, Any] | None = None
-    parts: list[Any] = field(default_factory=list)  # device tensors until the transfer
+    scalars: list[Any] = field(default_factory=list)  # 0-dim device tensors until the transfer
+    vectors: list[Any] = field(default_factory=list)  # 1-dim device tensors until the transfer
     offset: int = 0
-    length: int = 0
+    voffset: int = 0
+
+    @property
+    def n_scalars(self) -> int:
+        return len(self.hook_names) + len(self.log_names) + 2 * len(self.amax_names)
 
 
 @dataclass(slots=True)

@@ -106,10 +106,11 @@ class Watch:
         in the model's output; `grad_norm=` replaces the hook's (which sees the grads after clipping).
         Do not modify a logged tensor in place afterwards: it is read when the step is handed over.
         """
-        if not self._usable() or not self._guard.on("log"):
+        collector = self._collector
+        if collector is None or self._closed or self._forked or "log" in self._guard.off:
             return
         try:
-            self._collector.log(values)  # type: ignore[union-attr]
+            collector.log(values)
         except Exception as exc:
             self._guard.fail("log", exc)
 

@@ -1,0 +1,160 @@
+"""The step in progress, the values hooks find and `watch.log()` adds, and the record it becomes.
+
+Training thread only. Device values stay 0-dim device tensors in plain lists; nothing here reads them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ._records import StepRecord
+
+NAME = re.compile(r"[A-Za-z0-9._:/@+\-\[\]]{1,200}")
+MAX_KNOWN_NAMES = 1_000  # watch.log() names remembered as valid (skips the regex); beyond, checked each time
+
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+def find_loss(output: Any) -> torch.Tensor | None:
+    """The loss in a model's output: a scalar tensor, an object with `.loss`, or a mapping with "loss"."""
+    if not isinstance(output, torch.Tensor):
+        output = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if isinstance(output, torch.Tensor) and output.numel() == 1 and output.is_floating_point():
+        loss = output.detach()
+        return loss.reshape(()) if loss.dim() else loss
+    return None
+
+
+def resumed_step(optimizer: torch.optim.Optimizer) -> int:
+    """Steps the optimizer has already taken: non-zero when its state was restored from a checkpoint.
+
+    Adam-like optimizers keep a per-parameter `step` count. Read once at attach, never on the hot path
+    (for a capturable optimizer on the GPU this is one host-device sync, at attach only).
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            step = optimizer.state.get(p, {}).get("step")
+            if isinstance(step, torch.Tensor) and step.numel() == 1:
+                return max(0, int(step.item()))
+            if isinstance(step, int | float):
+                return max(0, int(step))
+    return 0
+
+
+def first_tensor(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, tuple | list) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return None
+
+
+class Step:
+    """The step in progress (between two `optimizer.step()` ends)."""
+
+    __slots__ = (
+        "acts",
+        "data_ms",
+        "forwards",
+        "fwd_end",
+        "fwd_ms",
+        "fwd_start",
+        "grads",
+        "hook_names",
+        "host",
+        "logs",
+        "loss_n",
+        "loss_sum",
+        "n_fwd",
+        "opt_start",
+        "scalars",
+    )
+
+    def __init__(self, n_amax: int) -> None:
+        self.acts: list[Pair | None] = [None] * n_amax  # (min, max) per tracked module slot
+        self.hook_names: list[str] = []  # names of the device scalars from the hooks (grad_norm, lr)
+        self.scalars: list[torch.Tensor] = []  # their 0-dim device values; becomes the record's list
+        self.logs: dict[str, torch.Tensor] = {}  # 0-dim device values from watch.log()
+        self.host: dict[str, float | None] = {}  # host values: CPU timings, numbers, memory
+        self.grads: tuple[torch.Tensor, tuple[str, ...]] | None = None  # per-parameter norms (sampled)
+        self.loss_sum: torch.Tensor | None = None
+        self.loss_n = 0
+        self.data_ms: float | None = None
+        self.fwd_start: Any = None
+        self.fwd_end: Any = None
+        self.fwd_ms = 0.0
+        self.n_fwd = 0
+        self.forwards: list[tuple[Any, Any]] = []  # CUDA: (start, end) events of each forward
+        self.opt_start: Any = None
+
+    def record(
+        self, step: int, ts: float, order: tuple[str, ...], missing: Pair, ship_amax: bool
+    ) -> StepRecord:
+        """The finished step, its device values in the order `StepRecord` documents."""
+        rec = StepRecord(step=step, ts=ts, host=self.host)
+        names, scalars = self.hook_names, self.scalars
+        if self.loss_sum is not None and "loss" not in self.logs and "loss" not in self.host:
+            names.append("loss")
+            scalars.append(self.loss_sum)
+            rec.loss_div = self.loss_n
+        rec.hook_names = tuple(names)
+        if self.logs:
+            rec.log_names = tuple(self.logs)
+            scalars += self.logs.values()
+        acts: list[Pair] | list[Pair | None] = self.acts
+        # A module that did not run this step gets `missing` (tuples vs None: no tensor compare).
+        if None in acts and any(a is not None for a in acts):
+            acts = [missing if a is None else a for a in acts]
+        if acts and None not in acts:
+            rec.amax_names = order[: len(acts)]
+            scalars += itertools.chain.from_iterable(acts)  # type: ignore[arg-type]
+            rec.ship_amax = ship_amax
+        rec.scalars = scalars
+        if self.grads is not None:
+            rec.vectors.append(self.grads[0])
+            rec.grad_names = self.grads[1]
+        return rec
+
+
+def valid_name(name: str, known: set[str]) -> bool:
+    if name in known:
+        return True
+    if not NAME.fullmatch(name):
+        return False
+    if len(known) < MAX_KNOWN_NAMES:
+        known.add(name)
+    return True
+
+
+def log_one(target: Step, name: str, value: Any, device: torch.device) -> str | None:
+    """Put one `watch.log()` value into `target`; the reason when it is refused."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            return f"a tensor of {value.numel()} elements; log one value"
+        if value.is_cpu and device.type != "cpu":
+            target.host[name] = float(value)  # a CPU tensor: no device sync
+            target.logs.pop(name, None)
+            return None
+        value = value.detach()
+        if value.dim():
+            value = value.reshape(())
+        if not value.is_floating_point():
+            value = value.to(torch.float64)  # exact for integers up to 2**53
+        if value.device != device:
+            value = value.to(device, non_blocking=True)
+        target.logs[name] = value
+        target.host.pop(name, None)
+        return None
+    if isinstance(value, str):
+        return "a string; log numbers or tensors"
+    try:
+        target.host[name] = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return f"{type(value).__name__} is not a number"
+    target.logs.pop(name, None)
+    return None
