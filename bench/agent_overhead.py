@@ -1,7 +1,7 @@
 """What the stepwatch agent costs per training step, next to wandb (offline), TensorBoard and MLflow.
 
-One process, one CPU MLP whose step takes about 10 ms (torch on one thread), one model instance per
-variant. The variants run interleaved: round-robin blocks of `--block` steps each, the starting
+One process, one CPU MLP whose step takes about 10 ms (torch on one thread; `--model` picks its
+shape), one model instance per variant. The variants run interleaved: round-robin blocks of `--block` steps each, the starting
 variant rotating every round, the first `--warmup` rounds discarded, so that drift (thermal, other
 tenants of the machine) lands on every variant alike.
 
@@ -21,7 +21,8 @@ Background threads and processes (stepwatch's sender, wandb's service, TensorBoa
 whenever they run, so a little of one tool's background work can land in another's block; the
 collector and the stub run in their own process.
 
-    .venv/bin/python bench/agent_overhead.py [--steps 2000] [--block 50] [--json OUT]
+    .venv/bin/python bench/agent_overhead.py [--model deep-narrow|mlp-wide-batch] [--steps 2000]
+        [--block 50] [--variants bare,stepwatch] [--json OUT]
 """
 
 from __future__ import annotations
@@ -70,6 +71,14 @@ IN_FEATURES = 256
 CLASSES = 10
 DATA_BATCHES = 8  # pre-built batches cycled through: data loading is not what is measured
 PAGE_MB = os.sysconf("SC_PAGE_SIZE") / 2**20
+# --model: (hidden layers, width, batch rows); each steps in about 10 ms on the development machine.
+MODELS = {
+    # The stress case: many small layers and few rows, so per-layer hooks weigh the most.
+    "deep-narrow": (12, 256, 96),
+    # Closer to real training: few layers, many rows (an LLM pushes thousands of tokens through each
+    # layer), so the per-layer and per-step costs are spread over more work.
+    "mlp-wide-batch": (4, 256, 512),
+}
 
 
 def build_model(width: int, depth: int, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -421,7 +430,10 @@ def report(out: dict[str, Any], args: argparse.Namespace) -> None:
     results = out["results"]
     bare = results["bare"]
     print()
-    print(f"bare step: median {bare['median_ms']:.3f} ms, p99 {bare['p99_ms']:.3f} ms (torch threads = 1)")
+    print(
+        f"model {args.model}: {args.depth} hidden layers x {args.width}, batch {args.batch}; "
+        f"bare step: median {bare['median_ms']:.3f} ms, p99 {bare['p99_ms']:.3f} ms (torch threads = 1)"
+    )
     print(
         f"{'variant':<15}{'median ms':>11}{'p99 ms':>10}{'mean ms':>10}{'overhead ms':>13}{'overhead %':>12}{'paired ms':>11}"
     )
@@ -474,14 +486,31 @@ def main(argv: list[str] | None = None) -> int:
         "--block", type=int, default=50, help="steps per variant per round (default %(default)s)"
     )
     parser.add_argument("--warmup", type=int, default=2, help="rounds discarded first (default %(default)s)")
-    parser.add_argument("--width", type=int, default=256, help="hidden width (default %(default)s)")
-    parser.add_argument("--depth", type=int, default=12, help="hidden layers (default %(default)s)")
-    parser.add_argument("--batch", type=int, default=96, help="batch size (default %(default)s)")
     parser.add_argument(
-        "--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), help="bare must come first"
+        "--model",
+        choices=list(MODELS),
+        default="deep-narrow",
+        help="model shape: " + ", ".join(f"{k} = {d} x {w}, batch {b}" for k, (d, w, b) in MODELS.items()),
+    )
+    parser.add_argument("--width", type=int, default=None, help="hidden width (default: from --model)")
+    parser.add_argument("--depth", type=int, default=None, help="hidden layers (default: from --model)")
+    parser.add_argument("--batch", type=int, default=None, help="batch size (default: from --model)")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=list(VARIANTS),
+        help="bare first; names separated by spaces or commas (" + ", ".join(VARIANTS) + ")",
     )
     parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON")
     args = parser.parse_args(argv)
+    args.variants = [v for item in args.variants for v in item.split(",") if v]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
+    depth, width, batch = MODELS[args.model]
+    args.depth = depth if args.depth is None else args.depth
+    args.width = width if args.width is None else args.width
+    args.batch = batch if args.batch is None else args.batch
     if args.steps < 1 or args.block < 1 or args.warmup < 0:
         parser.error("--steps and --block must be >= 1, --warmup >= 0")
 
