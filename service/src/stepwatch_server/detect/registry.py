@@ -10,11 +10,17 @@ from stepwatch_server.detect.detectors.loss_spike import LossSpikeDetector
 from stepwatch_server.detect.detectors.memory_leak import MemoryLeakDetector
 from stepwatch_server.detect.detectors.nonfinite import NonFiniteDetector
 from stepwatch_server.detect.detectors.replica_divergence import ReplicaDivergenceDetector
+from stepwatch_server.detect.detectors.slow_node import SlowNodeDetector
+from stepwatch_server.detect.detectors.straggler import StragglerDetector
+from stepwatch_server.detect.detectors.throughput_drop import ThroughputDropDetector
 
 DETECTORS: list[type[Detector]] = [
     NonFiniteDetector,
     LossSpikeDetector,
     DivergenceDetector,
+    StragglerDetector,
+    SlowNodeDetector,
+    ThroughputDropDetector,
     HangDetector,
     MemoryLeakDetector,
     ReplicaDivergenceDetector,

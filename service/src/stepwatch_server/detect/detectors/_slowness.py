@@ -1,0 +1,374 @@
+"""Which ranks, and which nodes, are slower than their peers: one computation shared by the `straggler`
+and `slow_node` detectors, so that the two always agree on who is slow.
+
+Physics (DESIGN.md): synchronous training equalises step time, so a slow rank is visible only in the
+phases it spends alone, before the collective: data wait (`time.data_ms`) and forward
+(`time.forward_ms`). Its peers then wait for it inside the collective (in DDP, inside
+`time.backward_ms`), so backward and step time are never judged here: they would blame the healthy.
+
+Per step and phase, each rank's time is divided by the median of its peers at the same step (the
+other ranks: with few ranks the rank itself must not pull the median). The log of that ratio, clipped
+to +-log(`clip_ratio`) so that one GC pause moves a window by little, goes into a ring of the last
+`window_steps` judged steps; its window mean m is the rank's current slowness in that phase. Healthy
+GPUs and loaders differ by a few percent for good, so each rank also has a baseline b, a slow average
+of m learnt only while the rank looks normal (never during a slowdown) and counted only up to
+`min_ratio` (a rank cannot learn that being 20% slow is its normal). A rank is slow-now in a phase
+when all of these hold:
+  - exp(m) >= `min_ratio` and exp(m - b) >= `min_ratio`: persistently slower than its peers, and
+    slower than it normally is;
+  - m - b is `min_z` units above the ranks' median, the unit being the larger of what chance gives a
+    window mean (the phase's per-step noise, estimated robustly across ranks, / sqrt(window)) and the
+    ranks' actual spread (1.4826 x MAD), and at least `min_scale`: noisy phases (data loading) and
+    noisy runs raise the bar by themselves;
+  - (exp(m) - 1) x the phase's share of the step >= `min_excess_frac`: the time the run loses to the
+    rank is not negligible, so a tiny phase's noise (a 0.1 ms data wait doubling) cannot trigger it.
+A rank is slow when it has been slow-now for `confirm_steps` judged steps in a row; it stops being
+slow after `clear_steps` judged steps in a row below half of each bar (hysteresis).
+
+A node is slow-now when at least `node_fraction` of its ranks (and at least 2) are slow-now, slow after
+`confirm_steps` in a row, and clear after `clear_steps` in a row with fewer than half of its ranks still
+slow. A rank whose node has half or more of its ranks slow-now waits another `confirm_steps` before it
+counts as slow on its own, so that the ranks of a slow node, which cross the bar a few steps apart, are
+reported once for the node rather than first one by one. `straggler` reports slow ranks except those
+of a slow node (when `slow_node` runs), `slow_node` reports slow nodes: both read the one
+`RankSlowness` of the run (`shared_slowness`), which folds in each frame once.
+
+Steps inside a marked pause (`ctx.paused`, or a phase_start/phase_end event in the frame) and the
+`skip_after_pause_steps` after it are not judged (the pause sits in the next step's data time), nor
+are the first `warmup_steps` of a run (compilation, autotuning).
+
+Known limit: a 10% data-loader straggler among ranks whose data time varies 10% per step is near
+what any test can see in 50 steps without false alarms (a sequential test needs ~35-40 steps on
+average); it is found in 22-63 steps depending on the noise draw. A rank that is slow in data from the
+very first steps by less than ~15% may be learnt as its normal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from stepwatch_server.detect.base import DetectorSettings
+from stepwatch_server.detect.context import RunContext
+from stepwatch_server.detect.frames import StepFrame
+
+PHASES = ("data", "forward")  # judged phases; backward and step time hold the peers' wait
+PHASE_METRICS = ("time.data_ms", "time.forward_ms")
+STEP_METRIC = "time.step_ms"
+PAUSE_EVENTS = ("phase_start", "phase_end")
+MAD_TO_SIGMA = 1.4826
+NOISE_ALPHA = 1 / 64  # EWMA weight of each step's noise estimate
+RESUM_EVERY = 4096  # pushes between exact recomputations of the running sums (float drift)
+
+
+@dataclass(frozen=True)
+class SlownessSettings(DetectorSettings):
+    """What makes a rank or a node slow. Shared by `straggler` and `slow_node`: override both alike."""
+
+    window_steps: int = 40  # judged steps averaged: beats 10% per-step noise, finds 10% in < 50 steps
+    min_ratio: float = 1.05  # persistent slowdown below 5% is within GPU-to-GPU spread
+    min_z: float = 5.0  # in units of chance: healthy ranks of the suite's clean runs peak below 4.9
+    min_scale: float = 0.01  # floor of that spread (log units): few ranks give a noisy MAD
+    min_excess_frac: float = 0.002  # the rank costs the run >= 0.2% of its step time
+    baseline_steps: int = 256  # a rank's own normal offset is learnt over this many judged steps
+    clip_ratio: float = 1.25  # per-step ratios clipped to [1/1.25, 1.25]: a GC pause moves m by < 1%
+    confirm_steps: int = 4  # slow-now this many judged steps in a row -> slow (a lucky window is not)
+    clear_steps: int = 40  # below half of the bars this many judged steps in a row -> clear
+    node_fraction: float = 0.75  # share of a node's ranks slow together that makes it a slow node
+    warmup_steps: int = 10  # first steps of a run: compilation and autotuning, not judged
+    skip_after_pause_steps: int = 5  # steps after a marked pause (eval, checkpoint) not judged
+
+
+def slowness_settings(settings: DetectorSettings) -> SlownessSettings:
+    """The shared fields of a detector's settings (a subclass of SlownessSettings)."""
+    names = [f.name for f in dataclasses.fields(SlownessSettings)]
+    return SlownessSettings(**{n: getattr(settings, n) for n in names})
+
+
+class PauseGate:
+    """Says which steps to leave out of timing statistics: inside a marked pause and shortly after."""
+
+    def __init__(self, after_steps: int) -> None:
+        self.after_steps = after_steps
+        self.until_step = -1  # steps <= this are skipped
+
+    def skip(self, frame: StepFrame, ctx: RunContext) -> bool:
+        for _, event in frame.events:
+            if event.kind in PAUSE_EVENTS:
+                self.until_step = max(self.until_step, event.step + 1 + self.after_steps)
+        if any(p is not None for p in ctx.paused):
+            self.until_step = max(self.until_step, frame.step + self.after_steps)
+            return True
+        return frame.step <= self.until_step
+
+
+def peer_median(x: np.ndarray) -> np.ndarray:
+    """For each rank, the median of the OTHER ranks' finite values (NaN where x is NaN or < 2 peers)."""
+    out = np.full(x.shape, np.nan)
+    valid = np.flatnonzero(np.isfinite(x))
+    n = valid.size
+    if n < 2:
+        return out
+    v = x[valid]
+    order = np.argsort(v, kind="stable")
+    s = v[order]
+    pos = np.empty(n, dtype=np.int64)
+    pos[order] = np.arange(n)
+    m = n - 1  # peers of each rank
+
+    def rest(i: int) -> np.ndarray:  # the i-th smallest value once the rank itself is left out
+        return np.where(i < pos, s[i], s[min(i + 1, n - 1)])
+
+    k = m // 2
+    out[valid] = rest(k) if m % 2 else 0.5 * (rest(k - 1) + rest(k))
+    return out
+
+
+class RankSlowness:
+    """Rolling per-rank, per-phase slowness of one run and the slow ranks/nodes it implies."""
+
+    def __init__(self, ctx: RunContext, s: SlownessSettings) -> None:
+        self.ctx, self.s = ctx, s
+        R, P, W = ctx.world_size, len(PHASES), s.window_steps
+        self.gate = PauseGate(s.skip_after_pause_steps)
+        self.node_reporting = False  # set by slow_node: straggler then leaves slow nodes to it
+        self._last_frame: StepFrame | None = None
+        self._last_judged = False
+        self._clip = math.log(s.clip_ratio)
+        self._lo = math.log(s.min_ratio)
+        self.noise = np.full(len(PHASES), np.nan)  # per-step sd of the clipped log ratio, per phase
+        # Rings over judged steps: clipped log ratios (for the running mean) and raw ratios (evidence).
+        self._log = np.zeros((W, P, R))
+        self._raw = np.full((W, P, R), np.nan)
+        self._valid = np.zeros((W, P, R), dtype=bool)
+        self._sum = np.zeros((P, R))
+        self._count = np.zeros((P, R), dtype=np.int64)
+        self._pushes = 0
+        self.share = np.full(P, np.nan)  # each phase's median time / the median step time (EWMA)
+        # Per rank and node: judged steps in a row slow-now / below the clear bars; current verdicts.
+        self.judged_steps = 0
+        self.mean = np.zeros((P, R))  # window mean of the clipped log ratio
+        self.base = np.zeros((P, R))  # the rank's own normal log ratio (slow EWMA of `mean`)
+        self.z = np.zeros((P, R))  # robust z of mean - base across ranks
+        self.slow_now = np.zeros(R, dtype=bool)
+        self.phase = np.zeros(R, dtype=np.int64)  # the phase that makes the rank slow (largest excess)
+        self.run = np.zeros(R, dtype=np.int64)
+        self.quiet = np.zeros(R, dtype=np.int64)
+        self.slow = np.zeros(R, dtype=bool)
+        self.slow_since = np.full(R, -1, dtype=np.int64)  # first step of the current slow stretch
+        self.slow_since_ts = np.full(R, np.nan)
+        self._run_step = np.full(R, -1, dtype=np.int64)  # first step of the current slow-now run
+        self._run_ts = np.full(R, np.nan)
+        self._node_names: list[str | None] = []
+        self.node_of = np.full(R, -1, dtype=np.int64)  # rank -> index into node_names, -1 unknown
+        self.node_names: list[str] = []
+        self.node_size = np.zeros(0, dtype=np.int64)
+        self.node_run = np.zeros(0, dtype=np.int64)
+        self.node_quiet = np.zeros(0, dtype=np.int64)
+        self.node_slow = np.zeros(0, dtype=bool)
+        self.node_slow_now = np.zeros(0, dtype=bool)
+        self.node_slow_count = np.zeros(0, dtype=np.int64)
+        self.node_since = np.zeros(0, dtype=np.int64)
+        self.node_since_ts = np.zeros(0)
+        self._node_run_step = np.zeros(0, dtype=np.int64)
+        self._node_run_ts = np.zeros(0)
+
+    # -- per frame ---------------------------------------------------------------------------------
+    def update(self, frame: StepFrame) -> bool:
+        """Fold in one frame (once, however many detectors call it); True when the step was judged."""
+        if frame is self._last_frame:
+            return self._last_judged
+        self._last_frame = frame
+        self._refresh_nodes()
+        self._last_judged = judged = self._judge(frame)
+        return judged
+
+    def _judge(self, frame: StepFrame) -> bool:
+        s = self.s
+        if frame.step <= s.warmup_steps or self.gate.skip(frame, self.ctx):
+            return False
+        cols = [frame.metrics.get(name) for name in PHASE_METRICS]
+        if all(c is None for c in cols):
+            return False
+        R = self.ctx.world_size
+        raw = np.full((len(PHASES), R), np.nan)
+        for p, col in enumerate(cols):
+            if col is not None:
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    raw[p] = col / peer_median(col)
+        raw[~(raw > 0) | ~np.isfinite(raw)] = np.nan
+        step_col = frame.metrics.get(STEP_METRIC)
+        if step_col is not None and np.isfinite(step_col).any():
+            step_ms = float(np.nanmedian(step_col))
+            for p, col in enumerate(cols):
+                if col is not None and np.isfinite(col).any() and step_ms > 0:
+                    x = float(np.nanmedian(col)) / step_ms
+                    self.share[p] = x if not np.isfinite(self.share[p]) else 0.95 * self.share[p] + 0.05 * x
+        self._push(raw)
+        self._verdicts(frame)
+        return True
+
+    def _push(self, raw: np.ndarray) -> None:
+        slot = self._pushes % self.s.window_steps
+        valid = np.isfinite(raw)
+        logs = np.where(valid, np.clip(np.log(np.where(valid, raw, 1.0)), -self._clip, self._clip), 0.0)
+        self._sum -= self._log[slot]
+        self._count -= self._valid[slot]
+        self._log[slot], self._raw[slot], self._valid[slot] = logs, raw, valid
+        self._sum += logs
+        self._count += valid
+        # Per-step noise of each phase: the ranks' robust spread around their own normal (EWMA).
+        for p in range(logs.shape[0]):
+            ok = valid[p]
+            if np.count_nonzero(ok) >= 3:
+                resid = logs[p, ok] - np.clip(self.base[p, ok], -self._lo, self._lo)
+                sd = MAD_TO_SIGMA * float(np.median(np.abs(resid - np.median(resid))))
+                prev = self.noise[p]
+                self.noise[p] = sd if not np.isfinite(prev) else prev + (sd - prev) * NOISE_ALPHA
+        self._pushes += 1
+        if self._pushes % RESUM_EVERY == 0:
+            self._sum = self._log.sum(axis=0)
+
+    def _verdicts(self, frame: StepFrame) -> None:
+        s = self.s
+        self.judged_steps += 1
+        enough = self._count >= max(2, s.window_steps // 2)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean = np.where(enough, self._sum / np.maximum(self._count, 1), np.nan)
+        self.mean = mean
+        if not np.isfinite(mean).any():
+            return
+        lo = math.log(s.min_ratio)
+        change = mean - np.clip(self.base, -lo, lo)  # against the rank's own normal offset
+        dev = change - _row_median(change)
+        # The bar's unit: the larger of what chance gives a window mean (per-step noise / sqrt(n))
+        # and the ranks' actual spread (offsets not yet learnt), never below min_scale.
+        with np.errstate(invalid="ignore", divide="ignore"):
+            chance = np.nan_to_num(self.noise)[:, None] / np.sqrt(np.maximum(self._count, 1))
+        spread = MAD_TO_SIGMA * _row_median(np.abs(dev))
+        scale = np.maximum(np.maximum(chance, spread), s.min_scale)
+        self.z = dev / scale
+        share = np.nan_to_num(self.share, nan=1.0)[:, None]  # unknown step time: no floor
+        excess = np.expm1(mean) * share  # time lost, as a fraction of the step
+        with np.errstate(invalid="ignore"):
+            hot = (mean >= lo) & (change >= lo) & (self.z >= s.min_z) & (excess >= s.min_excess_frac)
+            warm = (
+                (mean >= lo / 2)
+                & (change >= lo / 2)
+                & (self.z >= s.min_z / 2)
+                & (excess >= s.min_excess_frac / 2)
+            )
+        learn = np.isfinite(mean) & ~warm & ~self.slow[None, :]  # never learn a slowdown as normal
+        self.base[learn] += (mean[learn] - self.base[learn]) / s.baseline_steps
+        self.slow_now = hot.any(axis=0)
+        still = warm.any(axis=0)
+        lead = np.argmax(np.where(hot, np.nan_to_num(excess, nan=-1.0), -1.0), axis=0)
+        self.phase = np.where(self.slow_now, lead, self.phase)  # keep the last phase while it clears
+        began = self.slow_now & (self.run == 0)
+        self.run = np.where(self.slow_now, self.run + 1, 0)
+        self._run_step[began], self._run_ts[began] = frame.step, frame.ts
+        self.quiet = np.where(still, 0, self.quiet + 1)
+        self._node_verdicts(frame, still)
+        # Ranks of a node that looks slow as a whole wait longer to count alone (see module docstring).
+        crowd = np.zeros(self.ctx.world_size, dtype=bool)
+        known = self.node_of >= 0
+        if self.node_size.size:
+            frac = self.node_slow_count / np.maximum(self.node_size, 1)
+            crowd[known] = frac[self.node_of[known]] >= 0.5
+        need = np.where(crowd, 2 * s.confirm_steps, s.confirm_steps)
+        start = ~self.slow & (self.run >= need)
+        stop = self.slow & (self.quiet >= s.clear_steps)
+        self.slow_since[start] = self._run_step[start]  # the step its window first crossed the bar
+        self.slow_since_ts[start] = self._run_ts[start]
+        self.slow = (self.slow | start) & ~stop
+
+    def _node_verdicts(self, frame: StepFrame, still: np.ndarray) -> None:
+        s = self.s
+        if not self.node_names:
+            return
+        known = self.node_of >= 0
+        n = len(self.node_names)
+        count = np.bincount(self.node_of[known], weights=self.slow_now[known], minlength=n).astype(np.int64)
+        still_count = np.bincount(self.node_of[known], weights=still[known], minlength=n)
+        need = np.maximum(2, np.ceil(s.node_fraction * self.node_size - 1e-9))
+        self.node_slow_count = count
+        self.node_slow_now = (count >= need) & (self.node_size >= 2)
+        began = self.node_slow_now & (self.node_run == 0)
+        self.node_run = np.where(self.node_slow_now, self.node_run + 1, 0)
+        self._node_run_step[began], self._node_run_ts[began] = frame.step, frame.ts
+        self.node_quiet = np.where(still_count >= self.node_size / 2, 0, self.node_quiet + 1)
+        start = ~self.node_slow & (self.node_run >= s.confirm_steps)
+        stop = self.node_slow & (self.node_quiet >= s.clear_steps)
+        self.node_since[start] = self._node_run_step[start]
+        self.node_since_ts[start] = self._node_run_ts[start]
+        self.node_slow = (self.node_slow | start) & ~stop
+
+    def _refresh_nodes(self) -> None:
+        """Follow ctx.node (names arrive with batches); keep node state for names already known."""
+        if self._node_names == self.ctx.node:
+            return
+        self._node_names = list(self.ctx.node)
+        names = sorted({n for n in self._node_names if n})
+        old = {name: i for i, name in enumerate(self.node_names)}
+        keep = np.array([old.get(name, -1) for name in names], dtype=np.int64)
+
+        def carry(arr: np.ndarray, fill: float | int | bool) -> np.ndarray:
+            out = np.full(len(names), fill, dtype=arr.dtype)
+            hit = keep >= 0
+            out[hit] = arr[keep[hit]]
+            return out
+
+        self.node_run, self.node_quiet = carry(self.node_run, 0), carry(self.node_quiet, 0)
+        self.node_slow, self.node_slow_now = carry(self.node_slow, False), carry(self.node_slow_now, False)
+        self.node_slow_count = carry(self.node_slow_count, 0)
+        self.node_since, self.node_since_ts = carry(self.node_since, -1), carry(self.node_since_ts, np.nan)
+        self._node_run_step = carry(self._node_run_step, -1)
+        self._node_run_ts = carry(self._node_run_ts, np.nan)
+        self.node_names = names
+        index = {name: i for i, name in enumerate(names)}
+        self.node_of = np.array([index.get(n, -1) if n else -1 for n in self._node_names], dtype=np.int64)
+        known = self.node_of >= 0
+        self.node_size = np.bincount(self.node_of[known], minlength=len(names)).astype(np.int64)
+
+    # -- questions ---------------------------------------------------------------------------------
+    def node_slow_of(self, rank: int) -> bool:
+        n = int(self.node_of[rank])
+        return n >= 0 and bool(self.node_slow[n])
+
+    def window_ratio(self, phase: int, ranks: np.ndarray | int) -> np.ndarray:
+        """Median over the window of the unclipped per-step ratio to the peers' median."""
+        cols = np.atleast_2d(self._raw[:, phase, ranks].T)  # (ranks, window)
+        return _row_median(cols)[:, 0]
+
+    def excess_frac(self, phase: int, ranks: np.ndarray | int) -> np.ndarray:
+        share = float(self.share[phase]) if np.isfinite(self.share[phase]) else float("nan")
+        return np.asarray(np.expm1(self.mean[phase, ranks]) * share)
+
+
+def _row_median(a: np.ndarray) -> np.ndarray:
+    """Median of each row's finite values, as a column (0 for a row with none)."""
+    out = np.zeros((a.shape[0], 1))
+    for i, row in enumerate(a):
+        ok = row[np.isfinite(row)]
+        if ok.size:
+            out[i, 0] = np.median(ok)
+    return out
+
+
+_SHARED: weakref.WeakKeyDictionary[RunContext, dict[SlownessSettings, RankSlowness]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def shared_slowness(ctx: RunContext, settings: DetectorSettings) -> RankSlowness:
+    """The run's one RankSlowness for these shared settings (created on first use)."""
+    s = slowness_settings(settings)
+    per_ctx = _SHARED.setdefault(ctx, {})
+    tracker = per_ctx.get(s)
+    if tracker is None:
+        tracker = per_ctx[s] = RankSlowness(ctx, s)
+    return tracker

@@ -1,0 +1,179 @@
+"""`throughput_drop`: the whole run's step time rising well above its own baseline.
+
+Why it means trouble: when every rank slows down together (power or thermal capping across the
+cluster, a slow shared filesystem, a congested network fabric, a co-scheduled job, a config change
+after a resume) no rank stands out, so `straggler` and `slow_node` stay silent, yet the run burns
+GPU-hours at a lower rate and may miss its deadline.
+
+The signal: per step, the run's step time is the median over ranks of `time.step_ms` (synchronous
+ranks share it; the median ignores a rank's clock or reporting oddity). The recent level is the median
+of the last `recent_steps` (20) judged steps, so single slow steps (GC, a storage hiccup) cannot move
+it; the baseline is the median of the `baseline_steps` (512) judged steps before those, fed only while
+the run is not in a drop (so a long drop is not learnt as normal) and needed for at least
+`min_baseline_steps` (100) steps before anything is judged. A drop opens when recent / baseline >=
+`min_ratio` (1.2) for `confirm_steps` (5) judged steps in a row and resolves after `clear_steps` (20)
+in a row below `clear_ratio` (1.1). Steps inside marked pauses (eval, checkpoint: their time sits in
+the next step's data time) and the `skip_after_pause_steps` after them are not judged, nor the first
+`warmup_steps` (compilation, autotuning).
+
+Why 1.2: GPU clocks, input pipelines and collectives vary a few percent over hours; a fifth more time
+per step is a cost anyone would want to know about, and stays clear of the level noise of busy runs
+(frequent GC pauses on some rank every step). A persistent straggler also slows the run (a rank at 2x
+forward adds ~30% to every step); that drop is real and reported, with the open straggler/slow_node
+anomalies named in the evidence so that the cause is one click away.
+
+Evidence: recent and baseline step time (ms), the ratio (and its peak so far), the phase whose median grew the most (data,
+forward, backward incl. the collective wait, optimizer) with its before/after, the steps it has lasted,
+and the open straggler/slow_node keys. Severity: warning; critical from `critical_ratio` (1.5x).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import cast
+
+import numpy as np
+
+from stepwatch_server.detect.anomalies import Severity
+from stepwatch_server.detect.base import Detector, DetectorSettings
+from stepwatch_server.detect.context import RunContext
+from stepwatch_server.detect.detectors._slowness import PauseGate
+from stepwatch_server.detect.frames import StepFrame
+
+STEP_METRIC = "time.step_ms"
+PHASES = ("data", "forward", "backward", "optimizer")
+PHASE_METRICS = tuple(f"time.{p}_ms" for p in PHASES)
+CAUSE_KINDS = ("straggler", "slow_node")
+
+
+@dataclass(frozen=True)
+class ThroughputDropSettings(DetectorSettings):
+    recent_steps: int = 20  # median of these: half of them must be slow, so GC/storage blips cannot
+    baseline_steps: int = 512  # the run's normal pace: a few minutes to an hour of steps
+    min_baseline_steps: int = 100  # judge nothing before the baseline has this many steps
+    min_ratio: float = 1.2  # a fifth more time per step: real money, above the level noise of busy runs
+    clear_ratio: float = 1.1  # hysteresis: back within 10% of the baseline
+    confirm_steps: int = 5  # judged steps in a row at/over min_ratio -> open
+    clear_steps: int = 20  # judged steps in a row under clear_ratio -> resolve
+    critical_ratio: float = 1.5  # the run takes half again as long per step
+    warmup_steps: int = 20  # compilation, autotuning and the first slow steps are not judged
+    skip_after_pause_steps: int = 5  # steps after a marked pause (eval, checkpoint) not judged
+
+
+class ThroughputDropDetector(Detector):
+    kind = "throughput_drop"
+    Settings = ThroughputDropSettings
+
+    def __init__(self, ctx: RunContext, settings: DetectorSettings) -> None:
+        super().__init__(ctx, settings)
+        s = self.s = cast(ThroughputDropSettings, settings)
+        self.gate = PauseGate(s.skip_after_pause_steps)
+        P = len(PHASES) + 1  # column 0: step time; then the phases
+        self._recent = np.full((s.recent_steps, P), np.nan)
+        self._base = np.full((s.baseline_steps, P), np.nan)
+        self._steps = np.zeros(s.recent_steps, dtype=np.int64)  # step and event time of each recent row
+        self._ts = np.zeros(s.recent_steps)
+        self._n_recent = 0
+        self._n_base = 0
+        self.hot = 0  # judged steps in a row at/over min_ratio
+        self.cool = 0  # judged steps in a row under clear_ratio
+        self.since_step = -1
+        self.since_ts = float("nan")
+        self.peak = float("nan")  # the largest ratio of the open drop
+
+    def on_frame(self, frame: StepFrame) -> None:
+        s = self.s
+        if frame.step <= s.warmup_steps or self.gate.skip(frame, self.ctx):
+            return
+        col = frame.metrics.get(STEP_METRIC)
+        if col is None or not np.isfinite(col).any():
+            return
+        row = np.full(len(PHASES) + 1, np.nan)
+        row[0] = np.nanmedian(col)
+        for i, name in enumerate(PHASE_METRICS, start=1):
+            m = frame.metrics.get(name)
+            if m is not None and np.isfinite(m).any():
+                row[i] = np.nanmedian(m)
+        is_open = self.ctx.book.is_open(self.kind, "run")
+        # The value leaving the recent window joins the baseline, unless the run is (or may be) slow.
+        slot = self._n_recent % s.recent_steps
+        leaving = self._recent[slot].copy()
+        self._recent[slot] = row
+        self._steps[slot], self._ts[slot] = frame.step, frame.ts
+        self._n_recent += 1
+        if self._n_recent > s.recent_steps and not is_open and self.hot == 0:
+            self._base[self._n_base % s.baseline_steps] = leaving
+            self._n_base += 1
+        if self._n_base < s.min_baseline_steps or self._n_recent < s.recent_steps:
+            return
+        recent = self._median(self._recent)
+        base = self._median(self._base)
+        if not (base[0] > 0 and np.isfinite(recent[0])):
+            return
+        ratio = float(recent[0] / base[0])
+        self.hot = self.hot + 1 if ratio >= s.min_ratio else 0
+        self.cool = self.cool + 1 if ratio < s.clear_ratio else 0
+        if is_open:
+            if self.cool >= s.clear_steps:
+                self.ctx.book.resolve(self.kind, "run", step=frame.step, ts=frame.ts)
+                self.hot = 0
+            elif self.hot:  # updated while slow; left alone while it clears
+                self._raise(frame, ratio, recent, base)
+        elif self.hot >= s.confirm_steps:
+            # The median crossed when half of the recent window was slow: date the drop from there.
+            back = (self._n_recent - self.hot - s.recent_steps // 2) % s.recent_steps
+            self.since_step, self.since_ts = int(self._steps[back]), float(self._ts[back])
+            self._raise(frame, ratio, recent, base)
+
+    @staticmethod
+    def _median(ring: np.ndarray) -> np.ndarray:
+        out = np.full(ring.shape[1], np.nan)
+        for i in range(ring.shape[1]):
+            ok = ring[:, i][np.isfinite(ring[:, i])]
+            if ok.size:
+                out[i] = np.median(ok)
+        return out
+
+    def _raise(self, frame: StepFrame, ratio: float, recent: np.ndarray, base: np.ndarray) -> None:
+        grew = recent[1:] - base[1:]
+        p = int(np.nanargmax(grew)) if np.isfinite(grew).any() else -1
+        steps = frame.step - self.since_step + 1
+        is_new = not self.ctx.book.is_open(self.kind, "run")
+        self.peak = ratio if is_new else max(self.peak, ratio)
+        causes = [a.key for k in CAUSE_KINDS for a in self.ctx.book.open_of(k)]
+        summary = (
+            f"run step time {ratio:.2f}x its baseline ({recent[0]:.0f} ms vs {base[0]:.0f} ms) "
+            f"for {steps} steps"
+        )
+        if p >= 0:
+            summary += f"; most of it in {PHASES[p]} (+{grew[p]:.0f} ms)"
+        if causes:
+            summary += f"; open: {', '.join(causes[:3])}"
+
+        def ms(x: float) -> float | None:
+            return round(float(x), 3) if np.isfinite(x) else None
+
+        evidence = {
+            "ratio": round(ratio, 4),
+            "peak_ratio": round(self.peak, 4),
+            "recent_step_ms": ms(recent[0]),
+            "baseline_step_ms": ms(base[0]),
+            "phase": PHASES[p] if p >= 0 else None,
+            "phase_recent_ms": {name: ms(recent[i + 1]) for i, name in enumerate(PHASES)},
+            "phase_baseline_ms": {name: ms(base[i + 1]) for i, name in enumerate(PHASES)},
+            "slow_steps": steps,
+            "recent_steps": self.s.recent_steps,
+            "open_causes": causes,
+        }
+        severity: Severity = "critical" if ratio >= self.s.critical_ratio else "warning"
+        self.ctx.book.raise_(
+            self.kind,
+            "run",
+            step=frame.step,
+            ts=frame.ts,
+            severity=severity,
+            summary=summary,
+            evidence=evidence,
+            first_step=self.since_step,
+            first_ts=self.since_ts,
+        )
