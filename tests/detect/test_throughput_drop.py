@@ -37,10 +37,11 @@ def test_a_temporary_drop_resolves() -> None:
 
 
 def test_quiet_through_checkpoints_evals_and_storage_blips() -> None:
-    # 240 s checkpoints among 4 s steps; evals; a slow-storage blip every 400 steps on 32 ranks.
+    # 240 s checkpoints among 4 s steps; evals; a slow-storage blip every 400 steps.
     for name, changes in (
         ("clean_slow_steps_16", {"steps": 1100, "ckpt_every": 400}),
-        ("clean_noisy_256", {"world_size": 32, "steps": 700}),
+        # Some rank pauses for GC on most steps: the raw step time is bimodal, the pace is not.
+        ("clean_noisy_256", {"world_size": 64, "steps": 600, "gc_rate": 1 / 60}),
     ):
         _, anomalies = run_scenario(scenario(name, **changes), kinds=KINDS)
         assert anomalies == [], (name, [a.summary for a in anomalies])

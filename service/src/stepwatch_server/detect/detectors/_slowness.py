@@ -100,7 +100,7 @@ class PauseGate:
         for _, event in frame.events:
             if event.kind in PAUSE_EVENTS:
                 self.until_step = max(self.until_step, event.step + 1 + self.after_steps)
-        if any(p is not None for p in ctx.paused):
+        if ctx.paused.count(None) != len(ctx.paused):  # some rank is inside watch.phase(...)
             self.until_step = max(self.until_step, frame.step + self.after_steps)
             return True
         return frame.step <= self.until_step
@@ -351,6 +351,8 @@ class RankSlowness:
 
 def _row_median(a: np.ndarray) -> np.ndarray:
     """Median of each row's finite values, as a column (0 for a row with none)."""
+    if np.isfinite(a).all():
+        return np.median(a, axis=1, keepdims=True)
     out = np.zeros((a.shape[0], 1))
     for i, row in enumerate(a):
         ok = row[np.isfinite(row)]
