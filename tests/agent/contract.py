@@ -12,7 +12,7 @@ SESSION = re.compile(r"[A-Za-z0-9_-]{8,64}")
 NAME = re.compile(r"[A-Za-z0-9._:/@+\-\[\]]{1,200}")
 HEX16 = re.compile(r"[0-9a-f]{16}")
 NONFINITE = {"NaN", "Infinity", "-Infinity"}
-EVENT_KINDS = {"nonfinite", "phase_start", "phase_end", "note"}
+EVENT_KINDS = {"nonfinite", "phase_start", "phase_end", "note", "session_end"}
 
 
 def _int(v: Any, minimum: int) -> bool:

@@ -241,3 +241,13 @@ def test_resumed_optimizer_state_continues_the_step_count(receiver: Receiver, fa
     train(model, restored, 2, explicit)
     explicit.close()
     assert [s for s in receiver.steps() if s > 35] == [100, 101]
+
+
+def test_close_tells_the_collector_the_session_ended(receiver: Receiver, fast: dict[str, Any]) -> None:
+    model, opt = make_model()
+    watch = stepwatch.attach(model, opt, run="ends", url=receiver.url, **fast)
+    train(model, opt, 3, watch)
+    watch.close()
+    events = [e for b in receiver.data_batches() for e in b.get("events", [])]
+    assert [e["kind"] for e in events if e["kind"] == "session_end"] == ["session_end"]
+    assert events[-1]["kind"] == "session_end" and events[-1]["step"] == 3

@@ -73,3 +73,26 @@ def test_silence_is_the_one_wall_clock_case() -> None:
     assert "nothing from any of its 8 ranks since" in silent.summary
     changed = engine.feed(parse_batch(next(docs)), wall_now=wall + 401.0)
     assert [(a.key, a.status) for a in changed] == [("silent", "resolved")]
+
+
+def test_a_run_whose_ranks_all_closed_is_finished_not_silent() -> None:
+    """The agent's close() sends a session_end event; once every rank has, silence is not a hang."""
+    engine = DetectionEngine(EngineSettings(kinds=KINDS))
+    sc = scenario("clean_8", steps=200)
+    docs = list(Simulation(sc))
+    wall = 1_000.0
+    for doc in docs:
+        engine.feed(parse_batch(doc), wall_now=wall)
+    last_by_rank = {doc["rank"]: doc for doc in docs if doc["steps"]}
+    for rank, doc in sorted(last_by_rank.items()):
+        assert engine.tick(wall_now=wall) == []
+        end = {"step": doc["steps"][-1], "ts": doc["timestamps"][-1], "kind": "session_end", "data": {}}
+        closing = {**doc, "seq": doc["seq"] + 10_000, "steps": [], "timestamps": [], "metrics": {},
+                   "tensors": {"steps": [], "stats": {}}, "fingerprints": {"steps": [], "values": []},
+                   "events": [end]}  # fmt: skip
+        closing.pop("heartbeat", None)
+        engine.feed(parse_batch(closing), wall_now=wall)
+        if rank < sc.world_size - 1:  # not every rank closed yet: silence would still be reported
+            assert engine.runs[docs[0]["run"]].ctx.finished() is False
+    assert engine.runs[docs[0]["run"]].ctx.finished() is True
+    assert engine.tick(wall_now=wall + 10_000.0) == []

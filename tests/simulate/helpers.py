@@ -83,7 +83,7 @@ def check_batch(b: dict[str, Any]) -> None:
         assert (
             _int(e["step"], 0)
             and isinstance(e["ts"], float)
-            and e["kind"] in {"nonfinite", "phase_start", "phase_end", "note"}
+            and e["kind"] in {"nonfinite", "phase_start", "phase_end", "note", "session_end"}
         )
         assert isinstance(e["data"], dict) and len(json.dumps(e["data"])) <= 4096
     hb = b["heartbeat"]

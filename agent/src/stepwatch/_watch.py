@@ -158,6 +158,8 @@ class Watch:
         except Exception as exc:
             self._guard.fail("close", exc, disable=False)
         try:
+            # The collector learns this rank finished on purpose: a finished run is not a hung one.
+            self._sender.add_event("session_end", {"reason": "close"})
             self._sender.close(timeout)
             left, spooled = self._sender.left_steps, len(self._spool)
             if left or spooled:

@@ -27,6 +27,7 @@ class RunContext:
         self.heartbeat_phase: list[str | None] = [None] * world_size
         self.heartbeat_step = np.full(world_size, -1, dtype=np.int64)
         self.paused: list[str | None] = [None] * world_size  # inside watch.phase(...) since phase_start
+        self.ended = np.zeros(world_size, dtype=bool)  # the rank's agent closed its session (session_end)
         self.last_arrival_wall = np.nan  # wall-clock time the run last sent anything
         self._step_ms = np.full(STEP_TIME_WINDOW, np.nan)
         self._step_ms_n = 0
@@ -39,6 +40,8 @@ class RunContext:
         self.node[r] = batch.node
         self.replica_group[r] = batch.replica_group
         self.shard[r] = batch.shard
+        if batch.steps.size:
+            self.ended[r] = False  # steps after a session_end: a new session of this rank
         if batch.steps.size:  # the latest batch is the truth, also when a resumed incarnation went back
             self.last_step[r] = int(batch.steps[-1])
             self.last_step_ts[r] = float(batch.timestamps[-1])
@@ -54,6 +57,12 @@ class RunContext:
                 self.paused[r] = str(phase or "pause")
             elif event.kind == "phase_end":
                 self.paused[r] = None
+            elif event.kind == "session_end":
+                self.ended[r] = True
+
+    def finished(self) -> bool:
+        """Every rank that reported anything has closed its session: the run ended on purpose."""
+        return bool(self.seen.any() and self.ended[self.seen].all())
 
     def record_step_time(self, step_ms: float) -> None:
         if np.isfinite(step_ms):

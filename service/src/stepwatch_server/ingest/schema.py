@@ -19,7 +19,7 @@ MAX_NODE_CHARS = 200
 MAX_PHASE_CHARS = 200
 MAX_AGENT_VERSION_CHARS = 64
 MAX_STEP = 2**62  # steps and counters must fit a signed 64-bit column with room to spare
-EVENT_KINDS = frozenset({"nonfinite", "phase_start", "phase_end", "note"})
+EVENT_KINDS = frozenset({"nonfinite", "phase_start", "phase_end", "note", "session_end"})
 
 RUN_RE = re.compile(r"[A-Za-z0-9._:/@+\-]{1,200}")
 SESSION_RE = re.compile(r"[A-Za-z0-9_\-]{8,64}")

@@ -150,7 +150,9 @@ def get_fingerprints(run: str, conn: Conn, from_step: FromStep = None, to_step: 
     return json_response({"series": queries.read_fingerprints(conn, found.id, from_step, to_step)})
 
 
-@router.get("/runs/{run:path}/events", summary="Events (nonfinite, phase_start, phase_end, note)")
+@router.get(
+    "/runs/{run:path}/events", summary="Events (nonfinite, phase_start, phase_end, note, session_end)"
+)
 def get_events(
     run: str,
     conn: Conn,

@@ -88,6 +88,12 @@ class HangDetector(Detector):
 
     def on_tick(self, event_now: float, wall_now: float) -> None:
         ctx = self.ctx
+        if ctx.finished():  # every rank closed its session (watch.close / exit): nothing is stuck
+            step = int(ctx.last_step.max())
+            for key in (RUN_KEY, SILENT_KEY):
+                if ctx.book.is_open(KIND, key):
+                    ctx.book.resolve(KIND, key, step=step, ts=event_now, note="the run finished")
+            return
         self._check_silent(wall_now)
         if not np.isfinite(event_now) or not ctx.seen.any():
             return
