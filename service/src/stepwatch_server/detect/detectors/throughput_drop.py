@@ -78,6 +78,8 @@ class ThroughputDropDetector(Detector):
         self._ts = np.zeros(s.recent_steps)
         self._n_recent = 0
         self._n_base = 0
+        self._base_med = np.full(P, np.nan)  # median of the baseline ring, as of _base_at entries
+        self._base_at = 0
         self.hot = 0  # judged steps in a row at/over min_ratio
         self.cool = 0  # judged steps in a row under clear_ratio
         self.since_step = -1
@@ -91,12 +93,10 @@ class ThroughputDropDetector(Detector):
         col = frame.metrics.get(STEP_METRIC)
         if col is None or not np.isfinite(col).any():
             return
-        row = np.full(len(PHASES) + 1, np.nan)
-        row[0] = self._pace(frame, float(np.nanmedian(col)))
-        for i, name in enumerate(PHASE_METRICS, start=1):
-            m = frame.metrics.get(name)
-            if m is not None and np.isfinite(m).any():
-                row[i] = np.nanmedian(m)
+        nan = np.full(col.shape, np.nan)
+        table = np.stack([col] + [frame.metrics.get(name, nan) for name in PHASE_METRICS])
+        row = self._median(table.T)  # step time and each phase, median over ranks
+        row[0] = self._pace(frame, float(row[0]))
         is_open = self.ctx.book.is_open(self.kind, "run")
         # The value leaving the recent window joins the baseline, unless the run is (or may be) slow.
         slot = self._n_recent % s.recent_steps
@@ -110,7 +110,11 @@ class ThroughputDropDetector(Detector):
         if self._n_base < s.min_baseline_steps or self._n_recent < s.recent_steps:
             return
         recent = self._median(self._recent)
-        base = self._median(self._base)
+        # The baseline moves by one step in 512: its median is refreshed every 8 new steps once full.
+        moved = self._n_base - self._base_at
+        if moved >= 8 or (moved > 0 and self._n_base < s.baseline_steps):
+            self._base_med, self._base_at = self._median(self._base), self._n_base
+        base = self._base_med
         if not (base[0] > 0 and np.isfinite(recent[0])):
             return
         ratio = float(recent[0] / base[0])
