@@ -6,7 +6,7 @@ import numpy as np
 
 from stepwatch_server.detect.frames import Aligner
 from stepwatch_server.ingest.validate import parse_batch
-from stepwatch_server.simulate import Simulation
+from stepwatch_server.simulate import Hang, Simulation
 from tests.detect.helpers import scenario
 
 
@@ -27,7 +27,8 @@ def test_frames_are_complete_and_in_step_order() -> None:
 
 
 def test_a_dead_rank_does_not_stall_the_frames() -> None:
-    sc = scenario("hang_dead_256")
+    # A 16-rank version of hang_dead_256: rank 11 dies in step 300, its unsent steps are lost.
+    sc = scenario("hang_dead_256", world_size=16, steps=500, faults=(Hang(11, 300, mode="dead"),))
     hang = sc.hang
     assert hang is not None
     aligner = Aligner(sc.name, sc.world_size, grace_s=30.0)
@@ -39,3 +40,4 @@ def test_a_dead_rank_does_not_stall_the_frames() -> None:
             last = frame.step
             partial += int(not frame.present.all())
     assert last >= hang.step - 1  # every step anyone completed came out, the dead rank's too
+    assert partial > 0  # and some of them without the dead rank's lost reports
