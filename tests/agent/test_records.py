@@ -157,7 +157,11 @@ def test_phase_and_heartbeat_while_the_training_thread_is_blocked(
     watch.close(timeout_s=5)
     assert receiver.steps() == [1, 2, 3, 4, 5]
     kinds = [(e["kind"], e["data"]) for b in receiver.accepted() for e in b.get("events", [])]
-    assert kinds == [("phase_start", {"phase": "eval"}), ("phase_end", {"phase": "eval"})]
+    assert kinds == [
+        ("phase_start", {"phase": "eval"}),
+        ("phase_end", {"phase": "eval"}),
+        ("session_end", {"reason": "close"}),
+    ]
 
 
 def test_fingerprints_agree_between_replicas_and_differ_after_a_bit_flip(
