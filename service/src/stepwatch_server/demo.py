@@ -131,6 +131,11 @@ def run_demo(
         server.stop()
         return 1
     print(f"stepwatch demo: training done in {time.monotonic() - started:.1f} s", flush=True)
+    return _finish(server, keep_serving)
+
+
+def _finish(server: BackgroundServer, keep_serving: bool) -> int:
+    """Keep the collector up for the user to look (until Ctrl-C), or stop it."""
     if keep_serving:
         print("stepwatch demo: the collector keeps serving; Ctrl-C to stop", flush=True)
         try:
@@ -250,15 +255,7 @@ def run_inject_demo(
     ):
         print(f"    {base}{path}", flush=True)
     client.close()
-    if keep_serving:
-        print("stepwatch demo: the collector keeps serving; Ctrl-C to stop", flush=True)
-        try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
-            pass
-    server.stop()
-    return 0
+    return _finish(server, keep_serving)
 
 
 def _wait_for_detection(client: _Client) -> dict[str, Any]:
