@@ -169,6 +169,13 @@ def test_collector_down_then_up_loses_no_step_and_does_not_slow_training(
             if len(up_ms) >= 500:
                 break
         time.sleep(0.002)  # a data loader's pace
+    # The replay of what was spooled goes on in the background (a real run keeps training meanwhile).
+    drain_deadline = time.monotonic() + 30
+    while time.monotonic() < drain_deadline:
+        stats = watch.stats()
+        if stats["replayed_batches"] >= stats["spooled_batches"]:
+            break
+        time.sleep(0.1)
     watch.close()
     stats = watch.stats()
     print(

@@ -149,8 +149,11 @@ class Sender:
                 return
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + _jittered(self.config.heartbeat_interval_s)
-            if not len(self.spool):
-                self._heartbeat()
+            # Also while batches wait in the spool: the rank stays visibly alive, and an answered
+            # heartbeat means the collector is back, so the replay starts now instead of after its backoff.
+            if self._heartbeat() and len(self.spool):
+                self._replay_attempt = 0
+                self._replay(deadline=None)
 
     def _final_cycle(self) -> None:
         deadline = self._close_deadline
@@ -227,7 +230,7 @@ class Sender:
         self._replay_attempt += 1
         self._next_replay = time.monotonic() + wait
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self) -> bool:
         head = dict(
             self._head, seq=self._seq, agent={"version": self._version, "counters": self.counters.snapshot()}
         )
@@ -237,10 +240,11 @@ class Sender:
         result = self._transport.post_once(body, timeout)  # stale heartbeats are worthless: one try, no spool
         if result.outcome is Outcome.SENT:
             self.counters.add("heartbeats")
-        else:
-            self.counters.add("heartbeat_failures")
-            if result.outcome is Outcome.REJECTED:
-                self._rejected(result)
+            return True
+        self.counters.add("heartbeat_failures")
+        if result.outcome is Outcome.REJECTED:
+            self._rejected(result)
+        return False
 
     def _rejected(self, result: Result) -> None:
         self.counters.add("rejected_batches")
