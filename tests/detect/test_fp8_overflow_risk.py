@@ -48,3 +48,28 @@ def test_jump_above_history_is_critical_with_negative_headroom() -> None:
             assert a.severity == "critical" and a.evidence["jump"] and a.evidence["rank"] == 2
             assert -1.7 < a.evidence["headroom_bits"] < -1.4  # log2(1/3) + noise
     assert not ctx.book.open  # back inside the history: resolved after the clear samples
+
+
+def test_early_training_scale_changes_are_not_a_risk() -> None:
+    """Seen in the demo: an output layer's amax going 0.4 -> 1.07 between steps 10 and 20 of training."""
+    import numpy as np
+
+    from stepwatch_server.detect.context import RunContext
+    from stepwatch_server.detect.detectors.fp8_overflow import Fp8OverflowDetector, Fp8OverflowSettings
+    from stepwatch_server.detect.frames import StepFrame
+
+    ctx = RunContext("early", 2)
+    detector = Fp8OverflowDetector(ctx, Fp8OverflowSettings())
+    amax = {10: 0.4, 20: 1.07, 30: 1.1, 40: 1.12, 50: 1.1}
+    for step, value in amax.items():
+        frame = StepFrame(run="early", step=step, ts=float(step), present=np.ones(2, dtype=bool), metrics={})
+        frame.tensors = {"amax": {"out": np.array([value, value * 0.9])}}
+        detector.on_frame(frame)
+    assert ctx.book.drain_changes() == []
+    # The same jump once the module has a settled history is reported.
+    for step in range(60, 200, 10):
+        frame = StepFrame(run="early", step=step, ts=float(step), present=np.ones(2, dtype=bool), metrics={})
+        frame.tensors = {"amax": {"out": np.array([1.1, 1.0] if step < 190 else [3.0, 1.0])}}
+        detector.on_frame(frame)
+    (anomaly,) = ctx.book.drain_changes()
+    assert anomaly.kind == "fp8_overflow_risk" and anomaly.evidence["jump"] is True

@@ -67,6 +67,9 @@ class Fp8OverflowSettings(DetectorSettings):
     window_samples: int = 48  # sampled steps in the growth window
     min_growth_bits_per_step: float = 0.003  # sustained growth that is a risk (x2 per ~330 steps)
     jump_bits: float = 1.0  # amax this many bits above its history max: overflow now
+    # Jumps are judged once a module has this many earlier samples: in the first steps of training
+    # activations move from their initial scale to their trained one, which is not a risk signal.
+    min_history_samples: int = 10
     critical_steps: int = 1000  # raw amax reaching 448 within this many steps: critical
     clear_samples: int = 10  # samples without risk before an open anomaly resolves
 
@@ -122,13 +125,14 @@ class Fp8OverflowDetector(Detector):
         in_hist = steps_hist > frame.step - self.s.history_steps
         hist_max = np.nanmax(np.where(in_hist, self._log2[rows], -np.inf), axis=1)
         headroom = self.s.margin_bits + hist_max - log2  # -inf history: no headroom known yet
+        settled = self._n[rows] >= self.s.min_history_samples
         slot = self._n[rows] % RING_SAMPLES
         self._steps[rows, slot] = frame.step
         self._log2[rows, slot] = log2
         self._n[rows] += 1
         slope, recent, window_steps = self._growth(rows)
         s = self.s
-        jump = np.isfinite(headroom) & (headroom < -s.jump_bits)
+        jump = settled & np.isfinite(headroom) & (headroom < -s.jump_bits)
         growing = (slope >= s.min_growth_bits_per_step) & (recent >= s.min_growth_bits_per_step)
         quiet = ~(slope >= s.min_growth_bits_per_step / 2) & ~(
             np.isfinite(headroom) & (headroom < -s.jump_bits / 2)
