@@ -128,3 +128,25 @@ def stub() -> Iterator[Receiver]:
         yield Receiver("stub (stdlib HTTP server answering 200)", url, process)
     finally:
         _stop(process)
+
+
+PG_ADMIN_DSN = os.environ.get("STEPWATCH_BENCH_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
+PG_URL = os.environ.get("STEPWATCH_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/{db}")
+
+
+@contextlib.contextmanager
+def database(backend: str, name: str, tmp: Path) -> Iterator[str]:
+    """A fresh database for one benchmark: an SQLite file in `tmp`, or a PostgreSQL database dropped after."""
+    if backend == "sqlite":
+        yield f"sqlite:///{tmp / (name + '.db')}"
+        return
+    import psycopg
+
+    db = f"stepwatch_{name.replace('-', '_')}_{os.getpid()}_{int(time.time())}"
+    with psycopg.connect(PG_ADMIN_DSN, autocommit=True, connect_timeout=10) as admin:
+        admin.execute(f'CREATE DATABASE "{db}"')
+    try:
+        yield PG_URL.format(db=db)
+    finally:
+        with psycopg.connect(PG_ADMIN_DSN, autocommit=True, connect_timeout=10) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')

@@ -19,26 +19,22 @@ run itself; 0: as fast as the collector takes them, the default and the hardest 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gzip
 import http.client
 import json
-import os
 import tempfile
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+import _servers
 from _servers import collector
 from stepwatch_server.simulate import NonFinite, Scenario, Simulation, Straggler
 
-PG_ADMIN_DSN = os.environ.get("STEPWATCH_BENCH_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
-PG_URL = os.environ.get("STEPWATCH_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/{db}")
 TARGET_P99_MS = 1000.0
 DETECTION_WAIT_S = 300.0
 
@@ -121,29 +117,12 @@ def wait_for_detection(conn: http.client.HTTPConnection) -> dict[str, Any]:
         time.sleep(0.1)
 
 
-@contextlib.contextmanager
-def database(backend: str, tmp: Path) -> Iterator[str]:
-    if backend == "sqlite":
-        yield f"sqlite:///{tmp / 'detection-bench.db'}"
-        return
-    import psycopg
-
-    name = f"stepwatch_detbench_{os.getpid()}_{int(time.time())}"
-    with psycopg.connect(PG_ADMIN_DSN, autocommit=True, connect_timeout=10) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield PG_URL.format(db=name)
-    finally:
-        with psycopg.connect(PG_ADMIN_DSN, autocommit=True, connect_timeout=10) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
 def bench_backend(
     backend: str, sc: Scenario, batches: list[tuple[int, float, bytes]], args: argparse.Namespace
 ) -> dict[str, Any]:
     with (
         tempfile.TemporaryDirectory() as tmp,
-        database(backend, Path(tmp)) as url,
+        _servers.database(backend, "detection-bench", Path(tmp)) as url,
         collector(url, log_path=Path(tmp) / "collector.log") as receiver,
     ):
         seconds = send_all(receiver.url, batches, args.senders, args.speed)

@@ -22,7 +22,6 @@ ratios (each repeat's two halves ran back to back, so it resists drift on a nois
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import gzip
 import http.client
@@ -37,7 +36,6 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -50,8 +48,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _servers  # noqa: E402
 
-PG_ADMIN_DSN = "host=127.0.0.1 port=5432 user=postgres dbname=test"
-PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/{db}"
 REQUEST_TIMEOUT_S = 120.0
 AGENT_METRICS = [
     "loss", "grad_norm", "grad_sumsq", "lr", "time.data_ms", "time.forward_ms", "time.backward_ms",
@@ -240,29 +236,12 @@ def make_series(engine: Any, run: str, args: argparse.Namespace) -> tuple[list[i
     return [ids[(METRIC_STAT, n)] for n in names], [ids[("amax", n)] for n in modules]
 
 
-@contextlib.contextmanager
-def database(backend: str, tmp: Path) -> Iterator[str]:
-    if backend == "sqlite":
-        yield f"sqlite:///{tmp / 'ingest-bench.db'}"
-        return
-    import psycopg
-
-    name = f"stepwatch_bench_{os.getpid()}_{int(time.time())}"
-    with psycopg.connect(PG_ADMIN_DSN, autocommit=True, connect_timeout=10) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield PG_URL.format(db=name)
-    finally:
-        with psycopg.connect(PG_ADMIN_DSN, autocommit=True, connect_timeout=10) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
 def bench_backend(backend: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     from stepwatch_server.storage.engine import make_engine
 
     out: dict[str, Any] = {"http_values_per_s": [], "raw_values_per_s": [], "errors": []}
     with (
-        database(backend, tmp) as url,
+        _servers.database(backend, "ingest-bench", tmp) as url,
         _servers.collector(url, log_path=tmp / f"collector-{backend}.log") as rx,
     ):
         print(f"[{backend}] collector at {rx.url}, database {url}", flush=True)

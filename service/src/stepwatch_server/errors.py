@@ -32,9 +32,6 @@ class ApiError(Exception):
         if status is not None:
             self.status = status
 
-    def body(self) -> dict[str, object]:
-        return {"error": {"code": self.code, "field": self.field, "message": self.message}}
-
 
 class BadRequest(ApiError):
     status = 400
