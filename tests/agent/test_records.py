@@ -113,29 +113,34 @@ def test_log_values_and_overrides(receiver: Receiver, fast: dict[str, Any], step
     assert sum("bad_value" in r.getMessage() for r in stepwatch_log.records) == 1  # warned once
 
 
-def test_nan_from_step_50_names_the_module(receiver: Receiver, fast: dict[str, Any]) -> None:
-    model, opt = make_model(nan_from_call=50)
+@pytest.mark.parametrize("first", [50, 53], ids=["amax-sampled-step", "other-step"])
+def test_nan_from_step_n_names_the_module(receiver: Receiver, fast: dict[str, Any], first: int) -> None:
+    """amax is sampled every 10th step (the default); steps in between check non-finite values through
+    a cheaper reduction, and must flag and name the module on the very step all the same."""
+    model, opt = make_model(nan_from_call=first)
     watch = stepwatch.attach(model, opt, run="nan", url=receiver.url, track=["poison"], **fast)
     train(model, opt, 60)
     watch.close(timeout_s=5)
     for batch in receiver.accepted():
         validate(batch)
     records = receiver.records()
-    for step in range(1, 50):
+    for step in range(1, first):
         assert records[step]["nonfinite.activations"] == 0 and records[step]["nonfinite.loss"] == 0, step
         assert records[step]["nonfinite.grads"] == 0
-    assert records[50]["nonfinite.activations"] == 1
-    assert records[50]["nonfinite.loss"] == 1 and records[50]["loss"] == "NaN"
-    assert records[50]["nonfinite.grads"] == 1
+    assert records[first]["nonfinite.activations"] == 1
+    assert records[first]["nonfinite.loss"] == 1 and records[first]["loss"] == "NaN"
+    assert records[first]["nonfinite.grads"] == 1
     events = [e for b in receiver.accepted() for e in b.get("events", []) if e["kind"] == "nonfinite"]
     assert len(events) == 1
-    assert events[0]["step"] == 50
+    assert events[0]["step"] == first
     assert events[0]["data"]["module"] == "poison"
     assert set(events[0]["data"]["where"]) == {"activations", "loss", "grads"}
-    step50 = next(b for b in receiver.accepted() if 50 in b.get("tensors", {}).get("steps", []))
-    i = step50["tensors"]["steps"].index(50)
-    assert step50["tensors"]["stats"]["amax"]["poison"][i] == "NaN"
-    assert isinstance(step50["tensors"]["stats"]["amax"]["fc1"][i], float)
+    sampled = -(-first // 10) * 10  # the first amax-sampled step from `first` on
+    batch = next(b for b in receiver.accepted() if sampled in b.get("tensors", {}).get("steps", []))
+    i = batch["tensors"]["steps"].index(sampled)
+    assert batch["tensors"]["stats"]["amax"]["poison"][i] == "NaN"
+    if sampled == first:  # later, the NaN gradients have reached every weight
+        assert isinstance(batch["tensors"]["stats"]["amax"]["fc1"][i], float)
 
 
 def test_phase_and_heartbeat_while_the_training_thread_is_blocked(

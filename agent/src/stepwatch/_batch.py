@@ -103,13 +103,17 @@ class Decoder:
             row = Row(rec.step, rec.ts, m)
             bad: list[int] = []
             if rec.amax_names:
-                pairs = values[k : k + 2 * len(rec.amax_names)]
-                # Finite sum: every value finite (the common case; no per-module work unless sampled).
-                if rec.ship_amax or not math.isfinite(sum(pairs)):
+                n = len(rec.amax_names)
+                if rec.ship_amax:
+                    pairs = values[k : k + 2 * n]
                     amax = [_amax(low, high) for low, high in zip(pairs[::2], pairs[1::2], strict=True)]
                     bad = [j for j, a in enumerate(amax) if a is not None and not math.isfinite(a)]
-                    if rec.ship_amax or bad:
-                        row.amax = dict(zip(rec.amax_names, amax, strict=True))
+                    row.amax = dict(zip(rec.amax_names, amax, strict=True))
+                else:
+                    sums = values[k : k + n]
+                    # A finite total: every module's sum is finite (the common case: no per-module work).
+                    if not math.isfinite(sum(sums)):
+                        bad = [j for j, x in enumerate(sums) if not math.isfinite(x)]
                 m["nonfinite.activations"] = int(bool(bad))
             else:
                 m["nonfinite.activations"] = None

@@ -28,6 +28,7 @@ logger = logging.getLogger("stepwatch")
 STEPS_PER_TRANSFER = 8  # device values of this many steps share one copy to the host
 _grad_enabled = torch.is_grad_enabled
 _aminmax = torch.aminmax
+_f32 = torch.float32
 _perf = time.perf_counter
 
 
@@ -54,7 +55,7 @@ class Collector:
         # (min, max) of a module that did not run this step: min > max marks it missing.
         self._missing = (torch.ones((), device=self.device), -torch.ones((), device=self.device))
         self._step = config.start_step if config.start_step is not None else resumed_step(optimizer)
-        self._cur = Step(0)
+        self._cur = Step(0, self._sampled(self._step + 1))
         self._done: tuple[Step, int, float, Any, Any] | None = None  # finished step, not yet finalized
         self._pending: list[StepRecord] = []
         self._prev_end_host = _perf()
@@ -77,6 +78,10 @@ class Collector:
             optimizer.register_step_pre_hook(self._on_step_pre),
             optimizer.register_step_post_hook(self._on_step_post),
         ]
+
+    def _sampled(self, step: int) -> bool:
+        """Steps that ship amax and per-parameter grad norms (every `amax_every`-th)."""
+        return step % self.config.amax_every == 0
 
     # -- hooks (training thread) --------------------------------------------------------------------
     def _mark(self) -> Any:
@@ -101,14 +106,20 @@ class Collector:
                     slot = slots[name] = len(self._order)
                     self._order += (name,)
                     self._cur.acts.append(None)
-                # min and max in one pass (NaN propagates into both); the host takes amax = max(-min, max).
-                # Cheaper than vector_norm(x, inf) on CPU, and no extra kernels for abs/neg.
-                pair: tuple[torch.Tensor, torch.Tensor] = _aminmax(out.detach())
-                acts = self._cur.acts
-                old = acts[slot]
-                if old is not None:  # called again this step (micro-batches, shared modules)
-                    pair = (torch.minimum(old[0], pair[0]), torch.maximum(old[1], pair[1]))
-                acts[slot] = pair
+                cur = self._cur
+                acts, old = cur.acts, cur.acts[slot]
+                if cur.sampled:
+                    # min and max in one pass (NaN propagates into both); the host takes
+                    # amax = max(-min, max). Cheaper than vector_norm(x, inf) on CPU, no abs/neg kernels.
+                    pair: tuple[torch.Tensor, torch.Tensor] = _aminmax(out.detach())
+                    if old is not None:  # called again this step (micro-batches, shared modules)
+                        pair = (torch.minimum(old[0], pair[0]), torch.maximum(old[1], pair[1]))
+                    acts[slot] = pair
+                else:
+                    # Other steps only need "was anything non-finite": one float32 sum, a single
+                    # output and about half the work of aminmax (NaN and Inf propagate into it).
+                    total = out.detach().sum(dtype=_f32)
+                    acts[slot] = total if old is None else old + total  # type: ignore[operator]
             except Exception as exc:
                 self.guard.fail("amax", exc)
 
@@ -193,7 +204,7 @@ class Collector:
             norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
             cur.hook_names.append("grad_norm")
             cur.scalars.append(torch.linalg.vector_norm(norms))
-            if (self._step + 1) % self.config.amax_every == 0:
+            if cur.sampled:
                 cur.grads = (norms.to(self.device, non_blocking=True), self._names_of(params))
         except Exception as exc:
             self.guard.fail("grads", exc)
@@ -233,7 +244,7 @@ class Collector:
             cur.host["time.data_ms"] = cur.data_ms
             self._prev_end, self._prev_end_host = end, end_host
             self._done = (cur, self._step, ts, prev_end, end)
-            self._cur = Step(len(self._order))
+            self._cur = Step(len(self._order), self._sampled(self._step + 1))
             self.live.last_step = self._step
             self.live.phase = "data"
         except Exception as exc:
@@ -255,7 +266,7 @@ class Collector:
             return
         cur, step, ts, prev_end, end = self._done
         self._done = None
-        rec = cur.record(step, ts, self._order, self._missing, step % self.config.amax_every == 0)
+        rec = cur.record(step, ts, self._order, self._missing)
         every = self.config.fingerprint_every
         if every and step % every == 0 and "fingerprint" not in self._off:
             try:

@@ -20,8 +20,9 @@ class StepRecord:
     """One finished step.
 
     Its device values live in the host copy of a chunk (`Chunk.values`), in two places:
-    - from `offset`: one scalar per `hook_names`, one per `log_names`, then (min, max) of each of
-      `amax_names` (min > max: the module did not run this step);
+    - from `offset`: one scalar per `hook_names`, one per `log_names`, then for each of `amax_names`
+      (min, max) when `ship_amax` (min > max: the module did not run this step), else one float32 sum
+      (non-finite when the module's output was);
     - from `voffset`: one grad norm per `grad_names`, then 4 float 16-bit words of the fingerprint
       when `fingerprint`.
     Until the transfer, `scalars` holds the 0-dim device tensors of the first part and `vectors` the
@@ -48,7 +49,9 @@ class StepRecord:
 
     @property
     def n_scalars(self) -> int:
-        return len(self.hook_names) + len(self.log_names) + 2 * len(self.amax_names)
+        return (
+            len(self.hook_names) + len(self.log_names) + (2 if self.ship_amax else 1) * len(self.amax_names)
+        )
 
 
 @dataclass(slots=True)

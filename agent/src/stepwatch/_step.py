@@ -18,6 +18,7 @@ NAME = re.compile(r"[A-Za-z0-9._:/@+\-\[\]]{1,200}")
 MAX_KNOWN_NAMES = 1_000  # watch.log() names remembered as valid (skips the regex); beyond, checked each time
 
 Pair = tuple[torch.Tensor, torch.Tensor]
+Act = Pair | torch.Tensor  # (min, max) on a sampled step; the float32 sum on any other step
 
 
 def find_loss(output: Any) -> torch.Tensor | None:
@@ -72,11 +73,15 @@ class Step:
         "loss_sum",
         "n_fwd",
         "opt_start",
+        "sampled",
         "scalars",
     )
 
-    def __init__(self, n_amax: int) -> None:
-        self.acts: list[Pair | None] = [None] * n_amax  # (min, max) per tracked module slot
+    def __init__(self, n_amax: int, sampled: bool) -> None:
+        # Per tracked module slot: (min, max) when `sampled` (amax is shipped), else the float32 sum,
+        # which is non-finite exactly when an element is (or the sum overflows float32, ~3e38).
+        self.acts: list[Act | None] = [None] * n_amax
+        self.sampled = sampled
         self.hook_names: list[str] = []  # names of the device scalars from the hooks (grad_norm, lr)
         self.scalars: list[torch.Tensor] = []  # their 0-dim device values; becomes the record's list
         self.logs: dict[str, torch.Tensor] = {}  # 0-dim device values from watch.log()
@@ -92,9 +97,7 @@ class Step:
         self.forwards: list[tuple[Any, Any]] = []  # CUDA: (start, end) events of each forward
         self.opt_start: Any = None
 
-    def record(
-        self, step: int, ts: float, order: tuple[str, ...], missing: Pair, ship_amax: bool
-    ) -> StepRecord:
+    def record(self, step: int, ts: float, order: tuple[str, ...], missing: Pair) -> StepRecord:
         """The finished step, its device values in the order `StepRecord` documents."""
         rec = StepRecord(step=step, ts=ts, host=self.host)
         names, scalars = self.hook_names, self.scalars
@@ -106,14 +109,19 @@ class Step:
         if self.logs:
             rec.log_names = tuple(self.logs)
             scalars += self.logs.values()
-        acts: list[Pair] | list[Pair | None] = self.acts
-        # A module that did not run this step gets `missing` (tuples vs None: no tensor compare).
+        acts = self.acts
+        # A module that did not run this step gets `missing`: min > max on a sampled step, a zero sum
+        # otherwise (tensors vs None: `in` compares identity first, no tensor compare).
         if None in acts and any(a is not None for a in acts):
-            acts = [missing if a is None else a for a in acts]
+            fill = missing if self.sampled else missing[0].new_zeros(())
+            acts = [fill if a is None else a for a in acts]
         if acts and None not in acts:
             rec.amax_names = order[: len(acts)]
-            scalars += itertools.chain.from_iterable(acts)  # type: ignore[arg-type]
-            rec.ship_amax = ship_amax
+            if self.sampled:
+                scalars += itertools.chain.from_iterable(acts)  # type: ignore[arg-type]
+            else:
+                scalars += acts  # type: ignore[arg-type]
+            rec.ship_amax = self.sampled
         rec.scalars = scalars
         if self.grads is not None:
             rec.vectors.append(self.grads[0])
