@@ -111,11 +111,12 @@ class Step:
             scalars += self.logs.values()
         acts = self.acts
         # A module that did not run this step gets `missing`: min > max on a sampled step, a zero sum
-        # otherwise (tensors vs None: `in` compares identity first, no tensor compare).
-        if None in acts and any(a is not None for a in acts):
+        # otherwise. Identity tests only: `None in acts` would call Tensor.__eq__ (~50 us each).
+        ran = sum(a is not None for a in acts)
+        if 0 < ran < len(acts):
             fill = missing if self.sampled else missing[0].new_zeros(())
             acts = [fill if a is None else a for a in acts]
-        if acts and None not in acts:
+        if ran:
             rec.amax_names = order[: len(acts)]
             if self.sampled:
                 scalars += itertools.chain.from_iterable(acts)  # type: ignore[arg-type]
