@@ -135,6 +135,9 @@ def test_prometheus_scrapes_run_health_of_the_real_run(stack: Stack) -> None:
     assert sorted(int(s["metric"]["rank"]) for s in slow) == list(range(RANKS))
     batches = prom.query('sum(stepwatch_ingest_batches_total{result="stored"})')
     assert float(batches[0]["value"][1]) >= RANKS * 2
+    detected = prom.query('stepwatch_detection_batches_total{outcome="processed"}')
+    lags = prom.query("stepwatch_detection_lag_seconds_count")
+    assert float(detected[0]["value"][1]) == float(lags[0]["value"][1]) >= RANKS * 2
 
 
 def test_rules_load_and_evaluate(stack: Stack) -> None:
