@@ -6,9 +6,9 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from stepwatch_server.detect.anomalies import KINDS
+from stepwatch_server.grafana.command import add_grafana_command, run_grafana_command
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -70,63 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="stop the collector when training ends (default: keep serving)",
     )
-    _add_grafana_parser(sub)
+    add_grafana_command(sub)
     return parser
-
-
-def _add_grafana_parser(sub: Any) -> None:
-    grafana = sub.add_parser("grafana", help="Grafana: push the dashboards, datasources and folder")
-    grafana_sub = grafana.add_subparsers(dest="grafana_command", required=True)
-    push = grafana_sub.add_parser(
-        "push", help="create or update the stepwatch folder, datasources and dashboards (idempotent)"
-    )
-    push.add_argument("--url", required=True, help="Grafana's URL, e.g. http://grafana:3000")
-    push.add_argument("--token", default=None, help="a service account token (default $GRAFANA_TOKEN)")
-    push.add_argument("--folder", default="stepwatch", help="folder title (default %(default)s)")
-    push.add_argument(
-        "--dashboards", default="dashboards", help="directory of the dashboards' JSON (default %(default)s)"
-    )
-    push.add_argument(
-        "--prometheus-url",
-        default="http://prometheus:9090",
-        help="for the Prometheus datasource (as Grafana reaches it)",
-    )
-    push.add_argument(
-        "--postgres-url",
-        default=None,
-        help="for the PostgreSQL datasource, as Grafana reaches it (default: the compose stack's database)",
-    )
-
-
-def _grafana(args: argparse.Namespace) -> int:
-    import os
-    from pathlib import Path
-
-    from stepwatch_server.grafana.provisioning import Postgres
-    from stepwatch_server.grafana.push import push
-
-    try:
-        postgres = Postgres.from_url(args.postgres_url) if args.postgres_url else None
-        report = push(
-            args.url,
-            args.token or os.environ.get("GRAFANA_TOKEN") or None,
-            folder=args.folder,
-            dashboards_dir=Path(args.dashboards),
-            prometheus_url=args.prometheus_url,
-            postgres=postgres,
-        )
-    except Exception as exc:  # an answer from Grafana, a bad URL, no dashboards: say which, exit 1
-        print(f"stepwatch-server grafana push: {exc}", file=sys.stderr)
-        return 1
-    print(f"stepwatch-server grafana push: {report}")
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "grafana":
-        return _grafana(args)
+        return run_grafana_command(args)
     from stepwatch_server.settings import Settings
 
     try:

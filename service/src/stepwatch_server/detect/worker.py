@@ -131,10 +131,11 @@ class DetectionWorker:
             self._store(changed)
             if items:
                 done = time.monotonic()
+                lags = [done - ack for _, ack in items]
                 with self._lock:
-                    self._lag_s.extend(done - ack for _, ack in items)
+                    self._lag_s.extend(lags)
                     self.processed += len(items)
-                detection_round([done - ack for _, ack in items], self._queue.qsize())
+                detection_round(lags, self._queue.qsize())
         self._store([])  # a last attempt for what a failed write left
         if not self._queue.empty():
             log.warning("detection: %d queued batches left unprocessed at stop", self._queue.qsize())
