@@ -1,4 +1,4 @@
-"""`stepwatch-server`: run the collector (`serve`) or a live demonstration (`demo`)."""
+"""`stepwatch-server`: run the collector (`serve`), a live demonstration (`demo`), or `grafana push`."""
 
 from __future__ import annotations
 
