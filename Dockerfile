@@ -10,3 +10,5 @@ RUN pip install --no-cache-dir --no-deps ./service
 EXPOSE 8000
 ENTRYPOINT ["stepwatch-server"]
 CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]
+# The generated dashboards, for `stepwatch-server grafana push --url ... --dashboards /app/dashboards`.
+COPY dashboards dashboards

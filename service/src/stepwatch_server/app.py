@@ -23,6 +23,7 @@ from stepwatch_server.detect.worker import DetectionWorker
 from stepwatch_server.errors import ServiceUnavailable, install_error_handlers
 from stepwatch_server.ingest.routes import router as ingest_router
 from stepwatch_server.ingest.store import BatchWriter
+from stepwatch_server.metrics import router as metrics_router
 from stepwatch_server.responses import json_response
 from stepwatch_server.runs.routes import router as runs_router
 from stepwatch_server.settings import Settings
@@ -81,6 +82,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(ingest_router)
     app.include_router(detect_router)  # before runs: `/runs/{run:path}` would take `/runs/x/anomalies`
     app.include_router(runs_router)
+    app.include_router(metrics_router)  # GET /metrics (Prometheus)
 
     @app.get("/healthz", tags=["health"], summary="The collector is up and its database answers")
     def healthz(request: Request) -> Response:

@@ -1,4 +1,4 @@
-"""`stepwatch-server`: run the collector (`serve`) or a live demonstration (`demo`)."""
+"""`stepwatch-server`: run the collector (`serve`), a live demonstration (`demo`), or `grafana push`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from stepwatch_server.detect.anomalies import KINDS
+from stepwatch_server.grafana.command import add_grafana_command, run_grafana_command
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -69,12 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="stop the collector when training ends (default: keep serving)",
     )
+    add_grafana_command(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "grafana":
+        return run_grafana_command(args)
     from stepwatch_server.settings import Settings
 
     try:

@@ -33,6 +33,7 @@ from stepwatch_server.detect.anomalies import Anomaly
 from stepwatch_server.detect.engine import DetectionEngine, EngineSettings
 from stepwatch_server.detect.store import load_open, save_anomalies
 from stepwatch_server.ingest.schema import Batch
+from stepwatch_server.metrics import detection_dropped, detection_round
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ class DetectionWorker:
         return True
 
     def _drop(self, why: str) -> bool:
+        detection_dropped()
         with self._lock:
             self.dropped += 1
             warn, self._warned_full = not self._warned_full, True
@@ -129,9 +131,11 @@ class DetectionWorker:
             self._store(changed)
             if items:
                 done = time.monotonic()
+                lags = [done - ack for _, ack in items]
                 with self._lock:
-                    self._lag_s.extend(done - ack for _, ack in items)
+                    self._lag_s.extend(lags)
                     self.processed += len(items)
+                detection_round(lags, self._queue.qsize())
         self._store([])  # a last attempt for what a failed write left
         if not self._queue.empty():
             log.warning("detection: %d queued batches left unprocessed at stop", self._queue.qsize())

@@ -21,6 +21,7 @@ from stepwatch_server.ingest.example import EXAMPLE_BATCH
 from stepwatch_server.ingest.schema import Batch
 from stepwatch_server.ingest.store import BatchWriter, IngestResult
 from stepwatch_server.ingest.validate import parse_batch
+from stepwatch_server.metrics import counts_rejections, ingest_accepted
 from stepwatch_server.responses import json_response
 from stepwatch_server.settings import Settings
 
@@ -120,7 +121,9 @@ def _ingest_sync(
 
 
 @router.post("/ingest", summary="Ingest one batch (one rank, many steps)", openapi_extra=_OPENAPI)
+@counts_rejections
 async def ingest(request: Request) -> Response:
+    started = time.perf_counter()
     settings: Settings = request.app.state.settings
     check_token(request, settings.token)
     raw = await read_body_bounded(request, settings.max_batch_bytes)
@@ -132,4 +135,5 @@ async def ingest(request: Request) -> Response:
         settings.max_batch_bytes,
     )
     _after_commit(request, batch, result)
+    ingest_accepted(len(raw), result.rows, result.duplicate, time.perf_counter() - started)
     return json_response(result.answer())
