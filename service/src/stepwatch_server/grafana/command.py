@@ -40,8 +40,15 @@ def add_grafana_command(sub: Any) -> None:
 
 def run_grafana_command(args: argparse.Namespace) -> int:
     from stepwatch_server.grafana.provisioning import Postgres
-    from stepwatch_server.grafana.push import push
 
+    try:
+        from stepwatch_server.grafana.push import push
+    except ImportError as exc:
+        print(
+            f"stepwatch-server grafana push: {exc}; install it with: pip install 'stepwatch-server[grafana]'",
+            file=sys.stderr,
+        )
+        return 1
     try:
         postgres = Postgres.from_url(args.postgres_url) if args.postgres_url else None
         report = push(
