@@ -186,7 +186,10 @@ def test_collector_down_then_up_loses_no_step_and_does_not_slow_training(
     loss = series(collector, "late", "loss")
     assert sorted(loss) == list(range(1, steps + 1)), "steps were lost"
     assert stats["spooled_batches"] > 0 and stats["replayed_batches"] > 0
-    assert statistics.median(down_ms) <= 1.5 * statistics.median(up_ms) + 0.5
+    # Not a speed check (bench/ has those; this machine's load drifts between the two phases): a training
+    # thread that waited on the network would wait out retries and timeouts (0.5 s each), which no drift
+    # of a shared machine reaches; a slower median within a few milliseconds is the machine, not the agent.
+    assert statistics.median(down_ms) <= 2 * statistics.median(up_ms) + 10.0
 
 
 def test_resumed_run_shows_the_new_incarnation(collector_factory: Any, tmp_path: Path) -> None:
