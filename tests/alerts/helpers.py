@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from stepwatch_server.simulate import Scenario, Simulation
 from tests.alerts.receiver import Receiver
+from tests.detect.service_helpers import batch, session
 from tests.service.conftest import Collector
 
 DELIVERY_WAIT_S = 60.0
@@ -59,3 +61,16 @@ def settled(collector: Collector) -> dict[str, Any]:
             return body
         assert time.monotonic() < deadline, f"alerts did not settle: {body}"
         time.sleep(0.1)
+
+
+def nan_batch(run: str, steps: int = 10, bad_step: int = 5) -> dict[str, Any]:
+    """One rank's batch whose loss is Inf at `bad_step`: a critical run-wide `nonfinite` in `run`."""
+    loss: list[Any] = [2.0] * steps
+    loss[bad_step - 1] = "Infinity"
+    return batch(run, session(), 0, 0, 1, list(range(1, steps + 1)), loss=loss)
+
+
+def post_nan_runs(post: Callable[[dict[str, Any]], Any], runs: list[str]) -> None:
+    for run in runs:
+        response = post(nan_batch(run))
+        assert response.status_code == 200, response.text

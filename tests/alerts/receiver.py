@@ -45,6 +45,13 @@ def verify_signature(secret: bytes, body: bytes, header: str, now: float | None 
     return hmac.compare_digest(expected, fields["v1"])
 
 
+class _Server(http.server.ThreadingHTTPServer):
+    allow_reuse_address = True  # back up on the same port right after going down
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a sender that went away mid-answer (killed collector) is part of the tests
+
+
 @dataclass
 class Receiver:
     """`url(path)` for a channel; `received` in arrival order; `script` answers the next requests."""
@@ -62,8 +69,6 @@ class Receiver:
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-                if receiver.delay_s:
-                    time.sleep(receiver.delay_s)
                 with receiver._lock:
                     status, headers = receiver.script.pop(0) if receiver.script else (200, {})
                     receiver.received.append(
@@ -75,6 +80,8 @@ class Receiver:
                             status,
                         )
                     )
+                if receiver.delay_s:  # recorded on arrival: a sender killed meanwhile never hears the answer
+                    time.sleep(receiver.delay_s)
                 self.send_response(status)
                 for name, value in headers.items():
                     self.send_header(name, value)
@@ -85,8 +92,7 @@ class Receiver:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        http.server.ThreadingHTTPServer.allow_reuse_address = True
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self._server = _Server(("127.0.0.1", self.port), Handler)
         self._server.daemon_threads = True
         self.port = int(self._server.server_address[1])
         threading.Thread(

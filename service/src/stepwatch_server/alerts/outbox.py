@@ -40,6 +40,7 @@ class Claimed:
     payload: dict[str, Any]
     attempts: int  # including this one
     deadline_at: dt.datetime
+    claimed_at: dt.datetime
 
 
 def claim(
@@ -90,6 +91,7 @@ def claim(
                     dict(row.payload),
                     row.attempts + 1,
                     row.deadline_at,
+                    now,
                 )
             )
             changes.append(

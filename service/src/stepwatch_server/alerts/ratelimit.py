@@ -1,6 +1,8 @@
-"""Per-channel rate limit: at most `max_per_minute` sends in any sliding 60 s, in memory.
+"""Per-channel rate limit: at most `max_per_minute` messages in any sliding 60 s, in memory.
 
-Messages over the limit are not dropped: they stay in the outbox, due when a slot frees. The window
+A slot is taken when a delivery is claimed and given back when the attempt fails (`refund`), so
+attempts that never reached the channel (it was down) do not use up its budget. Messages over the
+limit are not dropped: they stay in the outbox, due when a slot frees. The window
 lives in the process, so a restart starts it afresh (grouping and cooldown, which live in the
 database, already keep a restart from re-sending anything).
 """
@@ -29,6 +31,13 @@ class RateLimiter:
                 return False
             sent.append(now)
             return True
+
+    def refund(self, channel: str, taken_at: dt.datetime) -> None:
+        """Give back the slot taken at `taken_at` (the attempt did not deliver)."""
+        with self._lock:
+            sent = self._sent[channel]
+            if taken_at in sent:
+                sent.remove(taken_at)
 
     def free_at(self, channel: str, now: dt.datetime) -> dt.datetime:
         """When the next slot of `channel` frees."""

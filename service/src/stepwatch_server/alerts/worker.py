@@ -105,6 +105,9 @@ class AlertWorker:
             more, _ = cf.wait(list(self._in_flight), timeout=wait_s)
             done |= more
         results = [(self._in_flight.pop(f), _result(f)) for f in done]
+        for c, r in results:
+            if not r.ok:
+                self.limiter.refund(c.channel, c.claimed_at)  # it never reached the channel
         if results:
             self._guard("record", finish, self.db, self.config, results, _now())
 
