@@ -60,8 +60,8 @@ def test_straggler_nan_and_spike_reach_the_routed_channels(
             "WARNING straggler: rank 6 on node gpu-000 in run llama-mix",
             "CRITICAL nonfinite: 8 ranks on node gpu-001 in run llama-mix",
             "RESOLVED: CRITICAL nonfinite: 8 ranks on node gpu-001 in run llama-mix",
-            "WARNING loss_spike: the run in run llama-mix",
-            "RESOLVED: WARNING loss_spike: the run in run llama-mix",
+            "WARNING loss_spike in run llama-mix",
+            "RESOLVED: WARNING loss_spike in run llama-mix",
         ]
     ), titles
     for message in slack:

@@ -90,7 +90,8 @@ def _blamed(a: dict[str, Any]) -> str:
 def _subject(msg: Message) -> str:
     group = msg.anomalies
     if len(group) == 1:
-        return f"{msg.kind}: {_blamed(group[0])}"
+        blamed = _blamed(group[0])
+        return msg.kind if blamed == "the run" else f"{msg.kind}: {blamed}"
     ranks = sorted({a["rank"] for a in group if a.get("rank") is not None})
     nodes = sorted({a["node"] for a in group if a.get("node")})
     if len(ranks) == len(group) and len(nodes) == 1:
@@ -141,7 +142,7 @@ def slack_payload(msg: Message) -> dict[str, Any]:
     fields = [
         f"*Severity*\n{_SEVERITY_MARK.get(msg.severity, '')} {msg.severity}",
         f"*Run*\n{_escape(msg.run)}",
-        f"*Blamed*\n{_escape(_blamed(first)) if len(msg.anomalies) == 1 else _escape(_subject(msg).split(': ', 1)[1])}",
+        f"*Blamed*\n{_escape(_blamed(first) if len(msg.anomalies) == 1 else _subject(msg).split(': ', 1)[1])}",
         f"*Step*\n{_steps(first)}"
         + (f" (detected at {first['detected_step']})" if msg.event == "open" else ""),
     ]
