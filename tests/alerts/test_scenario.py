@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from slack_sdk.models.blocks import Block
 
 from stepwatch_server.alerts import load_config
@@ -45,6 +46,7 @@ def check_block_kit(payload: dict[str, object]) -> None:
         assert block.to_dict() == block_json
 
 
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)  # PostgreSQL: test_delivery's outage test
 def test_straggler_nan_and_spike_reach_the_routed_channels(
     start_collector: Callable[..., Collector], receiver: Receiver, secrets: dict[str, str], tmp_path: Path
 ) -> None:
