@@ -118,13 +118,13 @@ def _number(value: Any) -> str:
     return str(value)
 
 
-def key_evidence(a: dict[str, Any]) -> list[tuple[str, str]]:
-    """The evidence worth reading at 3 a.m.: the kind's key fields that are present."""
+def key_evidence(a: dict[str, Any]) -> dict[str, Any]:
+    """The evidence worth reading at 3 a.m.: the kind's key fields that are present (else its numbers)."""
     evidence = a.get("evidence") or {}
     names = [n for n in KEY_EVIDENCE.get(str(a.get("kind")), ()) if evidence.get(n) is not None]
     if not names:
         names = [n for n, v in evidence.items() if isinstance(v, int | float) and not isinstance(v, bool)]
-    return [(n, _number(evidence[n])) for n in names[:MAX_EVIDENCE_FIELDS]]
+    return {n: evidence[n] for n in names[:MAX_EVIDENCE_FIELDS]}
 
 
 def _escape(text: str) -> str:
@@ -167,8 +167,8 @@ def slack_payload(msg: Message) -> dict[str, Any]:
             {
                 "type": "section",
                 "fields": [
-                    {"type": "mrkdwn", "text": _cut(f"*{n}*\n{_escape(v)}", SLACK_FIELD_MAX_CHARS)}
-                    for n, v in evidence
+                    {"type": "mrkdwn", "text": _cut(f"*{n}*\n{_escape(_number(v))}", SLACK_FIELD_MAX_CHARS)}
+                    for n, v in evidence.items()
                 ],
             }
         )
@@ -204,7 +204,7 @@ def webhook_payload(msg: Message) -> dict[str, Any]:
         "anomalies": [
             {
                 **{k: a.get(k) for k in ANOMALY_FIELDS},
-                "key_evidence": dict(key_evidence(a)),
+                "key_evidence": key_evidence(a),
                 "url": msg.url(a),
             }
             for a in msg.anomalies
