@@ -35,6 +35,14 @@ def compose(engine: Engine, config: AlertsConfig, now: dt.datetime | None = None
     """Turn the ready groups of pending events into deliveries; returns how many were written."""
     now = now or dt.datetime.now(dt.UTC)
     ready_before = now - dt.timedelta(seconds=config.group_window_s)
+    with engine.connect() as conn:  # a read first: an idle collector takes no write lock
+        waiting = conn.execute(
+            select(AlertEvent.id)
+            .where(AlertEvent.status == "pending", AlertEvent.created_at <= ready_before)
+            .limit(1)
+        ).first()
+    if waiting is None:
+        return 0
     with write_transaction(engine) as conn:
         events = conn.execute(
             select(AlertEvent.__table__)

@@ -48,8 +48,14 @@ def claim(
 ) -> list[Claimed]:
     """Claim up to `limit` due deliveries that their channels' rate limits allow; defer the others."""
     lease_until = now + dt.timedelta(seconds=config.timeout_s + LEASE_MARGIN_S)
+    due = select(AlertDelivery.id).where(
+        AlertDelivery.status == "pending", AlertDelivery.next_attempt_at <= now
+    )
+    with engine.connect() as conn:  # a read first: an idle collector takes no write lock
+        if conn.execute(due.limit(1)).first() is None:
+            return []
     with write_transaction(engine) as conn:
-        due = conn.execute(
+        rows = conn.execute(
             select(AlertDelivery.__table__)
             .where(AlertDelivery.status == "pending", AlertDelivery.next_attempt_at <= now)
             .order_by(AlertDelivery.next_attempt_at, AlertDelivery.id)
@@ -58,7 +64,7 @@ def claim(
         ).all()
         claimed: list[Claimed] = []
         changes: list[dict[str, Any]] = []
-        for row in due:
+        for row in rows:
             if row.channel not in config.channels:
                 error = f"channel {row.channel!r} is no longer in the configuration ({config.source})"
                 changes.append(
