@@ -94,16 +94,14 @@ class AlertWorker:
             if not claimed and not self._in_flight:
                 self._wake.wait(POLL_INTERVAL_S)
                 self._wake.clear()
-        self._collect(self._deadline_s)
+        self._collect(self._deadline_s, every=True)
 
-    def _collect(self, wait_s: float) -> None:
-        """Record the sends that finish within `wait_s` (all of them, when `wait_s` is the deadline)."""
+    def _collect(self, wait_s: float, every: bool = False) -> None:
+        """Record the sends that finish within `wait_s`: the first ones, or `every` one (at stop)."""
         if not self._in_flight:
             return
-        done, _ = cf.wait(list(self._in_flight), timeout=wait_s, return_when=cf.FIRST_COMPLETED)
-        if self._stop.is_set():  # at stop: give the rest until the deadline
-            more, _ = cf.wait(list(self._in_flight), timeout=wait_s)
-            done |= more
+        until = cf.ALL_COMPLETED if every else cf.FIRST_COMPLETED
+        done, _ = cf.wait(list(self._in_flight), timeout=wait_s, return_when=until)
         results = [(self._in_flight.pop(f), _result(f)) for f in done]
         for c, r in results:
             if not r.ok:
