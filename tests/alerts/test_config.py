@@ -101,3 +101,11 @@ def test_alerts_test_sends_a_real_signed_message(
     receiver.script = [(403, {})]
     done = run_cli("alerts", "test", "--channel", "pager", "--alerts", str(path))
     assert done.returncode == 1 and "HTTP 403" in done.stderr
+
+
+def test_the_public_surface_is_honest() -> None:
+    import stepwatch_server.alerts as alerts
+
+    assert len(set(alerts.__all__)) == len(alerts.__all__)
+    assert all(getattr(alerts, name) is not None for name in alerts.__all__)
+    assert {"AlertWorker", "load_config", "record_delivery", "verify"} <= set(alerts.__all__)
