@@ -1,9 +1,11 @@
 """The store hook and grouping on a real database: events are written with the anomalies (and rolled
 back with them), a flapping anomaly is announced once per cooldown, an escalation reaches a channel
-whose route needs the higher severity, resolves go where the open went, groups become one delivery."""
+whose route needs the higher severity, resolves go where the open went, groups become one delivery;
+claims lease a delivery, and a retry past the deadline is given up and recorded."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import functools
 from collections.abc import Iterator
@@ -16,6 +18,9 @@ from stepwatch_server.alerts import load_config
 from stepwatch_server.alerts.config import AlertsConfig
 from stepwatch_server.alerts.events import record_events
 from stepwatch_server.alerts.grouping import compose
+from stepwatch_server.alerts.outbox import claim, finish
+from stepwatch_server.alerts.ratelimit import RateLimiter
+from stepwatch_server.alerts.transport import Result
 from stepwatch_server.detect import AnomalyBook
 from stepwatch_server.detect.store import Stored, save_anomalies
 from stepwatch_server.storage import make_engine, upgrade
@@ -135,3 +140,26 @@ def test_events_roll_back_with_the_anomalies(db: Engine, config: AlertsConfig) -
         assert conn.execute(select(Anomaly)).first() is None and not events(db)
     assert save_anomalies(db, changes, on_stored=functools.partial(record_events, config)) == 1
     assert [e[:2] for e in events(db)] == [("team", "open"), ("pager", "open")]
+
+
+def test_a_retry_past_the_deadline_is_given_up_and_recorded(db: Engine, config: AlertsConfig) -> None:
+    book = AnomalyBook("r")
+    book.raise_("hang", "run", step=5, ts=5.0, severity="critical", summary="h", evidence={}, rank=1)
+    save_anomalies(db, book.drain_changes(), on_stored=functools.partial(record_events, config))
+    assert compose(db, config) == 2
+    limiter = RateLimiter({name: 20 for name in config.channels})
+    now = dt.datetime.now(dt.UTC)
+    claimed = claim(db, config, limiter, now)
+    assert len(claimed) == 2 and claim(db, config, limiter, now) == []  # leased: not claimed twice
+    late = dataclasses.replace(claimed[0], deadline_at=now + dt.timedelta(seconds=0.1))
+    busy = Result(ok=False, status=503, error="HTTP 503", retryable=True, retry_after_s=30.0)
+    finish(db, config, [(late, busy), (claimed[1], busy)], now)
+    with db.connect() as conn:
+        rows = {r.id: r for r in conn.execute(select(AlertDelivery.__table__))}
+    given_up, waiting = rows[late.id], rows[claimed[1].id]
+    assert given_up.status == "failed" and given_up.last_status_code == 503
+    assert given_up.last_error.startswith(
+        "gave up after 1 attempts: the deadline (300 s) passed; last error: HTTP 503"
+    )
+    assert waiting.status == "pending" and waiting.attempts == 1
+    assert waiting.next_attempt_at >= now + dt.timedelta(seconds=30)  # Retry-After over the 2 s backoff cap

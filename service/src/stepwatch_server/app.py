@@ -52,6 +52,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.writer = BatchWriter(engine)
             if settings.alerts is not None:
                 app.state.alerts = AlertWorker(engine, settings.alerts).start()
+                if not settings.detection:
+                    log.warning("alerts are configured but detection is off: nothing will be alerted")
             if settings.detection:
                 overrides = settings.detection_overrides
                 on_stored = app.state.alerts.on_stored if app.state.alerts is not None else None

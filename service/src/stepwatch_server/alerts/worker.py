@@ -58,6 +58,13 @@ class AlertWorker:
 
     # -- life cycle -----------------------------------------------------------------------------
     def start(self) -> AlertWorker:
+        log.info(
+            "alerts: %d channels (%s), %d routes, from %s",
+            len(self.config.channels),
+            ", ".join(f"{c.name}: {c.type}" for c in self.config.channels.values()),
+            len(self.config.routes),
+            self.config.source,
+        )
         self._thread = threading.Thread(target=self._run, name="stepwatch-alerts", daemon=True)
         self._thread.start()
         return self
