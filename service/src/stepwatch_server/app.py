@@ -4,6 +4,10 @@ The lifespan owns the database engine and the detection worker: it creates the e
 migrations, builds the batch writer, starts the detection worker (detect/worker.py) unless
 `settings.detection` is off, and at shutdown stops the worker (draining it within its deadline)
 before disposing of the engine.
+
+With `settings.alerts`, it also starts the alert worker (alerts/worker.py) before the detection
+worker, whose store then records alert events in each anomaly transaction; at shutdown the alert
+worker stops after the detection worker, so the last anomalies' alerts are in the outbox.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from sqlalchemy import text
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
+from stepwatch_server.alerts.routes import router as alerts_router
+from stepwatch_server.alerts.worker import AlertWorker
 from stepwatch_server.detect.engine import EngineSettings
 from stepwatch_server.detect.routes import router as detect_router
 from stepwatch_server.detect.worker import DetectionWorker
@@ -45,9 +51,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await run_in_threadpool(upgrade, engine)
             app.state.engine = engine
             app.state.writer = BatchWriter(engine)
+            if settings.alerts is not None:
+                app.state.alerts = AlertWorker(engine, settings.alerts).start()
+                if not settings.detection:
+                    log.warning("alerts are configured but detection is off: nothing will be alerted")
             if settings.detection:
                 overrides = settings.detection_overrides
-                app.state.detection = DetectionWorker(engine, EngineSettings(overrides=overrides)).start()
+                on_stored = app.state.alerts.on_stored if app.state.alerts is not None else None
+                app.state.detection = DetectionWorker(
+                    engine, EngineSettings(overrides=overrides), on_stored=on_stored
+                ).start()
             log.info(
                 "stepwatch collector ready (database %s, detection %s)",
                 engine.url.render_as_string(hide_password=True),
@@ -59,6 +72,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if worker is not None:
                 await run_in_threadpool(worker.stop)
                 app.state.detection = None
+            if app.state.alerts is not None:
+                await run_in_threadpool(app.state.alerts.stop)
+                app.state.alerts = None
             engine.dispose()
 
     app = FastAPI(
@@ -73,16 +89,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 "name": "detection",
                 "description": "Anomalies, run health, the detection worker (docs/detection.md).",
             },
+            {"name": "alerts", "description": "Alert deliveries to Slack and webhooks (docs/alerts.md)."},
             {"name": "health", "description": "Liveness and database reachability."},
         ],
     )
     app.state.settings = settings
     app.state.detection = None
+    app.state.alerts = None
     install_error_handlers(app)
     app.include_router(ingest_router)
     app.include_router(detect_router)  # before runs: `/runs/{run:path}` would take `/runs/x/anomalies`
     app.include_router(runs_router)
     app.include_router(metrics_router)  # GET /metrics (Prometheus)
+    app.include_router(alerts_router)
 
     @app.get("/healthz", tags=["health"], summary="The collector is up and its database answers")
     def healthz(request: Request) -> Response:

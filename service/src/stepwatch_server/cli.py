@@ -1,4 +1,5 @@
-"""`stepwatch-server`: run the collector (`serve`), a live demonstration (`demo`), or `grafana push`."""
+"""`stepwatch-server`: run the collector (`serve`), a live demonstration (`demo`), send a test alert
+(`alerts test --channel NAME`), or `grafana push`."""
 
 from __future__ import annotations
 
@@ -30,6 +31,16 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
         "--token",
         default=None,
         help="require 'Authorization: Bearer TOKEN' on ingest (default $STEPWATCH_TOKEN)",
+    )
+    _add_alerts_option(parser)
+
+
+def _add_alerts_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--alerts",
+        default=None,
+        metavar="FILE",
+        help="alerts configuration (YAML; docs/alerts.md); default $STEPWATCH_ALERTS, else no alerts",
     )
 
 
@@ -71,7 +82,45 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop the collector when training ends (default: keep serving)",
     )
     add_grafana_command(sub)
+    alerts = sub.add_parser("alerts", help="alert channels (docs/alerts.md)")
+    alerts_sub = alerts.add_subparsers(dest="alerts_command", required=True)
+    test = alerts_sub.add_parser("test", help="send a test message to one channel now and report the answer")
+    test.add_argument("--channel", required=True, help="a channel name of the configuration")
+    _add_alerts_option(test)
     return parser
+
+
+def _alerts_test(args: argparse.Namespace) -> int:
+    import os
+
+    from stepwatch_server.alerts.config import AlertsConfigError, load_config
+    from stepwatch_server.alerts.probe import send_test
+
+    path = args.alerts or os.environ.get("STEPWATCH_ALERTS")
+    if not path:
+        print(
+            "stepwatch-server alerts test: give the configuration with --alerts FILE or STEPWATCH_ALERTS",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        config = load_config(path)
+    except AlertsConfigError as exc:
+        print(f"stepwatch-server: {exc}", file=sys.stderr)
+        return 2
+    if args.channel not in config.channels:
+        known = ", ".join(config.channels)
+        print(
+            f"stepwatch-server alerts test: no channel {args.channel!r} in {path}; the channels are {known}",
+            file=sys.stderr,
+        )
+        return 2
+    result = send_test(config, args.channel)
+    if result.ok:
+        print(f"test message delivered to {args.channel} (HTTP {result.status})")
+        return 0
+    print(f"test message to {args.channel} failed: {result.error}", file=sys.stderr)
+    return 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -79,10 +128,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "grafana":
         return run_grafana_command(args)
+    if args.command == "alerts":
+        return _alerts_test(args)
     from stepwatch_server.settings import Settings
 
     try:
-        settings = Settings.from_env(database_url=args.database_url, token=args.token)
+        extra = {}
+        if args.alerts:
+            from stepwatch_server.alerts.config import load_config
+
+            extra["alerts"] = load_config(args.alerts)
+        settings = Settings.from_env(database_url=args.database_url, token=args.token, **extra)
     except ValueError as exc:
         print(f"stepwatch-server: {exc}", file=sys.stderr)
         return 2

@@ -6,12 +6,15 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from stepwatch_server.storage.engine import normalise_url
+
+if TYPE_CHECKING:
+    from stepwatch_server.alerts.config import AlertsConfig
 
 DEFAULT_DATABASE_URL = "sqlite:///./stepwatch.db"
 MAX_BATCH_BYTES = 16 * 1024 * 1024  # docs/ingest.md: 16 MiB on the wire and after decompression
@@ -23,6 +26,16 @@ def _env_database_url() -> str:
 
 def _env_token() -> str | None:
     return os.environ.get("STEPWATCH_TOKEN") or None
+
+
+def _env_alerts() -> AlertsConfig | None:
+    """The alerts configuration named by STEPWATCH_ALERTS (docs/alerts.md), checked; None when unset."""
+    path = os.environ.get("STEPWATCH_ALERTS", "").strip()
+    if not path:
+        return None
+    from stepwatch_server.alerts.config import load_config
+
+    return load_config(path)
 
 
 def _env_detection() -> bool:
@@ -106,6 +119,9 @@ class Settings:
     STEPWATCH_DETECTION: `off` turns detection off; a JSON object, e.g.
     `{"straggler": {"window_steps": 40}}`, is the overrides. An unknown detector or setting, or a
     value unlike the setting's default, is a ValueError naming it, at start.
+
+    `alerts` is the checked alerts configuration (docs/alerts.md), default from the file named by
+    STEPWATCH_ALERTS; a broken file is a ValueError naming the line, at start. None: no alerts.
     """
 
     database_url: str = field(default_factory=_env_database_url)
@@ -114,6 +130,7 @@ class Settings:
     run_migrations: bool = True
     detection: bool = field(default_factory=_env_detection)
     detection_overrides: dict[str, dict[str, Any]] = field(default_factory=_env_detection_overrides)
+    alerts: AlertsConfig | None = field(default_factory=_env_alerts)
 
     @classmethod
     def from_env(

@@ -6,6 +6,10 @@ step. `save_anomalies` writes every changed anomaly of a round in one transactio
 `INSERT ... ON CONFLICT (run_id, kind, key, first_step) DO UPDATE` (the same statement on PostgreSQL
 and SQLite), after resolving the runs' ids in one query. `load_open` reads the open ones back for
 `DetectionEngine.adopt` when the collector starts.
+
+`on_stored`, when given, is called inside that same transaction with each written anomaly's
+`Stored` (its row id and its status and severity before the write), so that whatever it writes
+(the alert outbox) commits or rolls back together with the anomalies.
 """
 
 from __future__ import annotations
@@ -13,12 +17,12 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
-from sqlalchemy import Connection, Engine, Table, select
+from sqlalchemy import Connection, Engine, Table, select, tuple_
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
@@ -92,11 +96,26 @@ def _row(anomaly: Anomaly, run_id: int, now: dt.datetime) -> dict[str, Any]:
     }
 
 
-def save_anomalies(engine: Engine, anomalies: Iterable[Anomaly]) -> int:
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """One anomaly as just written: its row id, run id, and its status/severity before (None: new)."""
+
+    anomaly: Anomaly
+    id: int
+    run_id: int
+    before_status: str | None
+    before_severity: str | None
+
+
+StoredHook = Callable[[Connection, list[Stored]], None]
+
+
+def save_anomalies(engine: Engine, anomalies: Iterable[Anomaly], on_stored: StoredHook | None = None) -> int:
     """Insert or update `anomalies` in one transaction; returns the rows written.
 
     Anomalies of runs not in the database (cannot happen for batches that were stored first) are
-    skipped with a warning. When the same anomaly appears twice, the last one wins.
+    skipped with a warning. When the same anomaly appears twice, the last one wins. `on_stored` runs
+    in the transaction with what was written (module docstring).
     """
     latest: dict[tuple[str, str, str, int], Anomaly] = {}
     for a in anomalies:
@@ -107,13 +126,35 @@ def save_anomalies(engine: Engine, anomalies: Iterable[Anomaly]) -> int:
     with write_transaction(engine) as conn:
         names = sorted({run for run, _, _, _ in latest})
         ids = {r.name: r.id for r in conn.execute(select(Run.name, Run.id).where(Run.name.in_(names)))}
-        rows = [_row(a, ids[a.run], now) for a in latest.values() if a.run in ids]
+        kept = [a for a in latest.values() if a.run in ids]
+        rows = [_row(a, ids[a.run], now) for a in kept]
         missing = sorted(set(names) - set(ids))
         if missing:
             log.warning("anomalies of unknown runs not stored: %s", ", ".join(map(repr, missing[:5])))
         if rows:
+            keys = [tuple(row[k] for k in _KEY) for row in rows]
+            before = _states(conn, keys) if on_stored is not None else {}
             conn.execute(_upsert(conn), rows)
+            if on_stored is not None:
+                after = _states(conn, keys)
+                on_stored(
+                    conn,
+                    [
+                        Stored(a, after[key][0], key[0], *before.get(key, (0, None, None))[1:])
+                        for a, key in zip(kept, keys, strict=True)
+                    ],
+                )
     return len(rows)
+
+
+def _states(conn: Connection, keys: list[tuple[Any, ...]]) -> dict[tuple[Any, ...], tuple[int, str, str]]:
+    """{(run_id, kind, key, first_step): (id, status, severity)} of the stored rows among `keys`."""
+    table = AnomalyRow.__table__.c
+    cols = [table[k] for k in _KEY]
+    found = conn.execute(
+        select(*cols, table.id, table.status, table.severity).where(tuple_(*cols).in_(keys))
+    ).all()
+    return {tuple(r[:4]): (r.id, r.status, r.severity) for r in found}
 
 
 def _upsert(conn: Connection) -> Any:

@@ -31,7 +31,7 @@ from sqlalchemy import Engine
 
 from stepwatch_server.detect.anomalies import Anomaly
 from stepwatch_server.detect.engine import DetectionEngine, EngineSettings
-from stepwatch_server.detect.store import load_open, save_anomalies
+from stepwatch_server.detect.store import StoredHook, load_open, save_anomalies
 from stepwatch_server.ingest.schema import Batch
 from stepwatch_server.metrics import detection_dropped, detection_round
 
@@ -49,8 +49,11 @@ SAVE_RETRY_S = 1.0  # after a failed write, the next attempt waits this long
 class DetectionWorker:
     """One engine, one bounded queue, one thread. `submit` is safe from any thread and never blocks."""
 
-    def __init__(self, engine: Engine, settings: EngineSettings | None = None) -> None:
+    def __init__(
+        self, engine: Engine, settings: EngineSettings | None = None, on_stored: StoredHook | None = None
+    ) -> None:
         self.db = engine
+        self._on_stored = on_stored  # called in each write's transaction (detect/store.py)
         self.engine = DetectionEngine(settings)
         self._queue: queue.Queue[tuple[Batch, float]] = queue.Queue(MAX_QUEUED_BATCHES)
         self._stop = threading.Event()
@@ -157,7 +160,7 @@ class DetectionWorker:
             self._unsaved[anomaly.local_id] = anomaly
         if not self._unsaved:
             return
-        written = self._guard("store", save_anomalies, self.db, list(self._unsaved.values()))
+        written = self._guard("store", save_anomalies, self.db, list(self._unsaved.values()), self._on_stored)
         if written is None:  # the database failed: keep the changes (bounded) for the next round
             excess = len(self._unsaved) - MAX_UNSAVED_ANOMALIES
             for local_id in list(self._unsaved)[: max(0, excess)]:

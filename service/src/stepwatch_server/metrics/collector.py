@@ -46,7 +46,10 @@ REJECT_REASONS = (
     "internal_error",
 )
 ALERT_CHANNEL_TYPES = ("slack", "webhook")
-ALERT_OUTCOMES = ("delivered", "retried", "failed", "dropped")
+# What became of an alert message (alerts/stats.py counts the same): `delivered` (2xx), `retried` (a
+# failed attempt that will be tried again), `failed` (given up), `suppressed` (cooldown),
+# `rate_limited` (held back by the channel's rate limit for now).
+ALERT_OUTCOMES = ("delivered", "retried", "failed", "suppressed", "rate_limited")
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _LAG_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -106,7 +109,7 @@ DETECTION_LAG = Histogram(
 )
 ALERT_DELIVERIES = Counter(
     "alert_deliveries",
-    "Alert delivery attempts by channel type and outcome (delivered, retried, failed, dropped).",
+    "Alert messages by channel type and outcome (delivered, retried, failed, suppressed, rate_limited).",
     ["channel_type", "outcome"],
     namespace=NAMESPACE,
     registry=REGISTRY,
@@ -151,14 +154,10 @@ def detection_dropped() -> None:
     DETECTION_BATCHES.labels("dropped").inc()
 
 
-def alert_delivery(channel_type: str, outcome: str) -> None:
-    """One alert delivery attempt: `channel_type` in ALERT_CHANNEL_TYPES, `outcome` in ALERT_OUTCOMES.
-
-    The alert sender calls this once per attempt: `delivered` (the channel answered 2xx), `retried`
-    (a failed attempt that will be tried again), `failed` (given up after the retries), `dropped`
-    (never attempted, e.g. the outbox was full).
-    """
-    ALERT_DELIVERIES.labels(channel_type, outcome).inc()
+def alert_delivery(channel_type: str, outcome: str, n: int = 1) -> None:
+    """Alert messages of `channel_type` (ALERT_CHANNEL_TYPES) that met `outcome` (ALERT_OUTCOMES);
+    called through `stepwatch_server.alerts.stats.record_delivery`."""
+    ALERT_DELIVERIES.labels(channel_type, outcome).inc(n)
 
 
 def counts_rejections(handler: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:

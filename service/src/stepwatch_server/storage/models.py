@@ -242,4 +242,69 @@ class Anomaly(Base):
     updated_at: Mapped[dt.datetime]
 
 
+class AlertEvent(Base):
+    """One anomaly transition (open, escalate, resolve) routed to one alert channel (alerts/outbox.py).
+
+    Written in the transaction that stores the anomaly, so a crash loses none. `status`: pending
+    (waiting for its group window), grouped (part of the delivery `delivery_id`), suppressed (cooldown,
+    or a resolve whose open was never sent; `reason` says which).
+    """
+
+    __tablename__ = "alert_events"
+    __table_args__ = (
+        Index("ix_alert_events_status_id", "status", "id"),
+        Index("ix_alert_events_cooldown", "channel", "run_id", "kind", "key", "created_at"),
+        Index("ix_alert_events_anomaly_id", "anomaly_id"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    anomaly_id: Mapped[int] = mapped_column(ForeignKey("anomalies.id", ondelete="CASCADE"))
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    channel: Mapped[str] = mapped_column(String(100))
+    event: Mapped[str] = mapped_column(String(16))  # open | escalate | resolve
+    kind: Mapped[str] = mapped_column(String(32))
+    key: Mapped[str] = mapped_column(String(200))
+    severity: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16))  # pending | grouped | suppressed
+    reason: Mapped[str | None] = mapped_column(String(200))
+    delivery_id: Mapped[int | None] = mapped_column(ForeignKey("alert_deliveries.id", ondelete="SET NULL"))
+    created_at: Mapped[dt.datetime]
+
+
+class AlertDelivery(Base):
+    """One message to one channel (a group of events), with its delivery state: the durable outbox.
+
+    `payload` is the rendered JSON body (no secrets: URLs and signing keys come from the configuration
+    at send time). `next_attempt_at` is when it is due; a claimed row's is pushed out by a lease, so a
+    row whose sender died is sent again once the lease runs out. `status`: pending | delivered |
+    failed (gave up: a permanent error, or the deadline `deadline_at` passed).
+    """
+
+    __tablename__ = "alert_deliveries"
+    __table_args__ = (
+        UniqueConstraint("idempotency_key"),
+        Index("ix_alert_deliveries_status_next_attempt_at", "status", "next_attempt_at"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    idempotency_key: Mapped[str] = mapped_column(String(64))
+    channel: Mapped[str] = mapped_column(String(100))
+    event: Mapped[str] = mapped_column(String(16))  # open | escalate | resolve
+    run: Mapped[str] = mapped_column(String(200))
+    kind: Mapped[str] = mapped_column(String(32))
+    severity: Mapped[str] = mapped_column(String(16))
+    title: Mapped[str] = mapped_column(Text)
+    anomaly_ids: Mapped[list[int]] = mapped_column(JsonType)
+    payload: Mapped[dict[str, Any]]
+    status: Mapped[str] = mapped_column(String(16))
+    attempts: Mapped[int]
+    created_at: Mapped[dt.datetime]
+    next_attempt_at: Mapped[dt.datetime]
+    deadline_at: Mapped[dt.datetime]
+    last_attempt_at: Mapped[dt.datetime | None]
+    delivered_at: Mapped[dt.datetime | None]
+    last_status_code: Mapped[int | None]
+    last_error: Mapped[str | None] = mapped_column(Text)
+
+
 ALL_TABLES = tuple(Base.metadata.sorted_tables)
