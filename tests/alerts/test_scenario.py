@@ -71,7 +71,7 @@ def test_straggler_nan_and_spike_reach_the_routed_channels(
     straggler = next(m for m in slack if "straggler" in m["blocks"][0]["text"]["text"])
     text = str(straggler["blocks"])
     assert "1.3" in text and "data" in text  # the evidence: its phase and ratio
-    assert "http://dashboard.test:8000/runs/llama-mix/anomalies/" in text
+    assert "http://dashboard.test:8000/run/llama-mix#anomaly=" in text
 
     hooks = receiver.on("/hook")
     assert sorted((h.json["event"], h.json["count"]) for h in hooks) == [("open", 8), ("resolve", 8)]

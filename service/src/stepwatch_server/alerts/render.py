@@ -75,7 +75,8 @@ class Message:
         if self.dashboard_url is None:
             return None
         a = anomaly or self.anomalies[0]
-        return f"{self.dashboard_url}/runs/{urllib.parse.quote(self.run, safe='')}/anomalies/{a['id']}"
+        # The run page of the built-in dashboard, opened zoomed to the anomaly (web/src/run.js).
+        return f"{self.dashboard_url}/run/{urllib.parse.quote(self.run, safe='')}#anomaly={a['id']}"
 
 
 def _blamed(a: dict[str, Any]) -> str:
