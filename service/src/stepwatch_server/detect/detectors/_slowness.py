@@ -61,8 +61,6 @@ PHASE_METRICS = ("time.data_ms", "time.forward_ms")
 STEP_METRIC = "time.step_ms"
 PAUSE_EVENTS = ("phase_start", "phase_end")
 MAD_TO_SIGMA = 1.4826
-NOISE_ALPHA = 1 / 64  # EWMA weight of each noise sample
-NOISE_EVERY = 1  # judged steps between noise samples (4 with alpha 1/16 halves the cost)
 RESUM_EVERY = 4096  # pushes between exact recomputations of the running sums (float drift)
 
 
@@ -147,6 +145,7 @@ class RankSlowness:
         self._raw = np.full((W, P, R), np.nan)
         self._valid = np.zeros((W, P, R), dtype=bool)
         self._sum = np.zeros((P, R))
+        self._sumsq = np.zeros((P, R))
         self._count = np.zeros((P, R), dtype=np.int64)
         self._pushes = 0
         self.share = np.full(P, np.nan)  # each phase's median time / the median step time (EWMA)
@@ -217,25 +216,18 @@ class RankSlowness:
         slot = self._pushes % self.s.window_steps
         valid = np.isfinite(raw)
         logs = np.where(valid, np.clip(np.log(np.where(valid, raw, 1.0)), -self._clip, self._clip), 0.0)
-        self._sum -= self._log[slot]
+        old = self._log[slot]
+        self._sum -= old
+        self._sumsq -= old * old
         self._count -= self._valid[slot]
         self._log[slot], self._raw[slot], self._valid[slot] = logs, raw, valid
         self._sum += logs
+        self._sumsq += logs * logs
         self._count += valid
         self._pushes += 1
         if self._pushes % RESUM_EVERY == 0:
             self._sum = self._log.sum(axis=0)
-        # Per-step noise of each phase: the ranks' robust spread around their own normal (an EWMA;
-        # sampled every NOISE_EVERY steps, which is plenty for a level that changes slowly).
-        if self._pushes % NOISE_EVERY:
-            return
-        for p in range(logs.shape[0]):
-            ok = valid[p]
-            if np.count_nonzero(ok) >= 3:
-                resid = logs[p, ok] - np.clip(self.base[p, ok], -self._lo, self._lo)
-                sd = MAD_TO_SIGMA * float(np.median(np.abs(resid - np.median(resid))))
-                prev = self.noise[p]
-                self.noise[p] = sd if not np.isfinite(prev) else prev + (sd - prev) * NOISE_ALPHA
+            self._sumsq = (self._log * self._log).sum(axis=0)
 
     def _verdicts(self, frame: StepFrame) -> None:
         s = self.s
@@ -246,6 +238,12 @@ class RankSlowness:
         self.mean = mean
         if not np.isfinite(mean).any():
             return
+        # Per-step noise of each phase: each rank's standard deviation over the window around its own
+        # mean (the clip bounds every value, so one GC pause adds little), the median over the ranks
+        # (a straggler's steady slowness is neither noise nor, with few ranks, allowed to set it).
+        with np.errstate(invalid="ignore", divide="ignore"):
+            sd = np.sqrt(np.maximum(self._sumsq / np.maximum(self._count, 1) - mean * mean, 0.0))
+        self.noise = _row_median(np.where(enough, sd, np.nan))[:, 0]
         lo = math.log(s.min_ratio)
         change = mean - np.clip(self.base, -lo, lo)  # against the rank's own normal offset
         dev = change - _row_median(change)
