@@ -91,15 +91,19 @@ class Aligner:
         # Make room: the newest step must fit in the ring behind next_step.
         while int(steps[-1]) - self.next_step >= self.capacity:
             frames.append(self._emit())
-        steps_in = steps[steps >= self.next_step]
-        sel = np.flatnonzero(steps >= self.next_step)
-        if index is not None:
-            sel = index[sel]
+        sel: np.ndarray | slice
+        if index is None and steps[0] >= self.next_step:  # the common case: the whole batch is new
+            steps_in, sel = steps, slice(None)
+        else:
+            keep = steps >= self.next_step
+            steps_in, sel = steps[keep], np.flatnonzero(keep)
+            if index is not None:
+                sel = index[sel]
         slots = steps_in % self.capacity
         rank = batch.rank
         fresh = ~self._present[slots, rank]
         self._present[slots, rank] = True
-        np.add.at(self._count, slots[fresh], 1)
+        self._count[slots[fresh]] += 1  # slots are distinct: a batch spans < capacity steps
         ts = batch.timestamps[sel]
         self._ts[slots] = np.maximum(self._ts[slots], ts)
         self._first_seen[slots] = np.minimum(self._first_seen[slots], ts)

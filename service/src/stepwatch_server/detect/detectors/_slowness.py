@@ -99,7 +99,7 @@ class PauseGate:
         for _, event in frame.events:
             if event.kind in PAUSE_EVENTS:
                 self.until_step = max(self.until_step, event.step + 1 + self.after_steps)
-        if ctx.paused.count(None) != len(ctx.paused):  # some rank is inside watch.phase(...)
+        if ctx.n_paused:  # some rank is inside watch.phase(...)
             self.until_step = max(self.until_step, frame.step + self.after_steps)
             return True
         return frame.step <= self.until_step
