@@ -17,7 +17,8 @@ when all of these hold:
   - exp(m) >= `min_ratio` and exp(m - b) >= `min_ratio`: persistently slower than its peers, and
     slower than it normally is;
   - m - b is `min_z` units above the ranks' median, the unit being the larger of what chance gives a
-    window mean (the phase's per-step noise, estimated robustly across ranks, / sqrt(window)) and the
+    window mean (the phase's per-step noise: the median over ranks of each rank's standard deviation
+    over its window, so that with few ranks a straggler does not set it / sqrt(window)) and the
     ranks' actual spread (1.4826 x MAD), and at least `min_scale`: noisy phases (data loading) and
     noisy runs raise the bar by themselves;
   - (exp(m) - 1) x the phase's share of the step >= `min_excess_frac`: the time the run loses to the
