@@ -40,8 +40,8 @@ are the first `warmup_steps` of a run (compilation, autotuning).
 
 Known limit: a 10% data-loader straggler among ranks whose data time varies 10% per step is near
 what any test can see in 50 steps without false alarms (a sequential test needs ~35-40 steps on
-average); it is found in 22-63 steps depending on the noise draw. A rank that is slow in data from the
-very first steps by less than ~15% may be learnt as its normal.
+average); it is found in 21-75 steps (median 42) depending on the noise draw. A rank that is slow in
+data from the very first steps by less than ~15% may be learnt as its normal.
 """
 
 from __future__ import annotations
