@@ -142,6 +142,7 @@ def test_a_rank_slower_in_forward_is_one_straggler_and_nothing_else(
     straggler = found[0]
     assert straggler["evidence"]["phase"] == "forward"
     assert straggler["evidence"]["ratio"] > 1.5
+    assert straggler["evidence"]["step_fraction_lost"] > 0.05  # 20 ms more forward in a ~40 ms step
     assert straggler["detected_step"] >= 30, straggler  # how soon is the simulator tests' (noise-free) job
 
 

@@ -348,8 +348,11 @@ class RankSlowness:
         return _row_median(cols)[:, 0]
 
     def excess_frac(self, phase: int, ranks: np.ndarray | int) -> np.ndarray:
+        """The share of each step the run loses to the ranks (evidence): the window's median unclipped
+        ratio - 1, times the phase's share of the step (the clipped mean that judges them says at most
+        25%, which would report a rank at 40x its peers as costing a few tenths of a percent)."""
         share = float(self.share[phase]) if np.isfinite(self.share[phase]) else float("nan")
-        return np.asarray(np.expm1(self.mean[phase, ranks]) * share)
+        return np.asarray((self.window_ratio(phase, ranks) - 1.0) * share)
 
 
 def _row_median(a: np.ndarray) -> np.ndarray:

@@ -83,7 +83,7 @@ class StragglerDetector(Detector):
         p = int(sl.phase[r])
         metric = frame.metrics.get(PHASE_METRICS[p])
         ratio = float(sl.window_ratio(p, r)[0])
-        excess = float(sl.excess_frac(p, r))
+        excess = float(sl.excess_frac(p, r)[0])
         since = int(sl.slow_since[r])
         steps = frame.step - since + 1
         mine = peers = float("nan")
