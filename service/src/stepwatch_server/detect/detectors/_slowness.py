@@ -23,8 +23,9 @@ when all of these hold:
     noisy runs raise the bar by themselves;
   - (exp(m) - 1) x the phase's share of the step >= `min_excess_frac`: the time the run loses to the
     rank is not negligible, so a tiny phase's noise (a 0.1 ms data wait doubling) cannot trigger it.
-A rank is slow when it has been slow-now for `confirm_steps` judged steps in a row; it stops being
-slow after `clear_steps` judged steps in a row below half of each bar (hysteresis).
+A rank is slow when it has been slow-now for `confirm_steps` judged steps in a row spanning at least
+`min_duration_s` of event time (with 10-30 ms CPU steps, four steps are a scheduler hiccup); it stops
+being slow after `clear_steps` judged steps in a row below half of each bar (hysteresis).
 
 A node is slow-now when at least `node_fraction` of its ranks (and at least 2) are slow-now, slow after
 `confirm_steps` in a row, and clear after `clear_steps` in a row with fewer than half of its ranks still
@@ -77,6 +78,8 @@ class SlownessSettings(DetectorSettings):
     baseline_steps: int = 256  # a rank's own normal offset is learnt over this many judged steps
     clip_ratio: float = 1.25  # per-step ratios clipped to [1/1.25, 1.25]: a GC pause moves m by < 1%
     confirm_steps: int = 4  # slow-now this many judged steps in a row -> slow (a lucky window is not)
+    min_duration_s: float = 1.0  # ... and for this long in event time: with 10-30 ms steps 4 steps are
+    # a scheduler hiccup (the clean CPU demo on a busy machine had slow-now runs of up to 6 steps, 0.1 s)
     clear_steps: int = 40  # below half of the bars this many judged steps in a row -> clear
     node_fraction: float = 0.75  # share of a node's ranks slow together that makes it a slow node
     warmup_steps: int = 10  # first steps of a run: compilation and autotuning, not judged
@@ -283,7 +286,8 @@ class RankSlowness:
             frac = self.node_slow_count / np.maximum(self.node_size, 1)
             crowd[known] = frac[self.node_of[known]] >= 0.5
         need = np.where(crowd, 2 * s.confirm_steps, s.confirm_steps)
-        start = ~self.slow & (self.run >= need)
+        lasted = frame.ts - self._run_ts >= s.min_duration_s
+        start = ~self.slow & (self.run >= need) & lasted
         stop = self.slow & (self.quiet >= s.clear_steps)
         self.slow_since[start] = self._run_step[start]  # the step its window first crossed the bar
         self.slow_since_ts[start] = self._run_ts[start]
@@ -304,7 +308,8 @@ class RankSlowness:
         self.node_run = np.where(self.node_slow_now, self.node_run + 1, 0)
         self._node_run_step[began], self._node_run_ts[began] = frame.step, frame.ts
         self.node_quiet = np.where(still_count >= self.node_size / 2, 0, self.node_quiet + 1)
-        start = ~self.node_slow & (self.node_run >= s.confirm_steps)
+        lasted = frame.ts - self._node_run_ts >= s.min_duration_s
+        start = ~self.node_slow & (self.node_run >= s.confirm_steps) & lasted
         stop = self.node_slow & (self.node_quiet >= s.clear_steps)
         self.node_since[start] = self._node_run_step[start]
         self.node_since_ts[start] = self._node_run_ts[start]
