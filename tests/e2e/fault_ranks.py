@@ -38,7 +38,7 @@ DATA_MS = 5.0  # a data loader's pace: also keeps 4 processes from saturating a 
 
 
 class Fault(torch.nn.Module):
-    """Identity, except on the faulty rank from the fault step on (the test sets `active`)."""
+    """Identity, except on the faulty rank from the fault step on (the training loop sets `active`)."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -123,7 +123,6 @@ def main(argv: list[str] | None = None) -> None:
             optimizer.zero_grad(set_to_none=True)
             optimizer.step()  # no gradients: a skipped update, still one record for this rank
     watch.close()
-    _ = kept
     dist.destroy_process_group()
 
 
