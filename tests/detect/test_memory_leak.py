@@ -79,3 +79,22 @@ def test_quiet_on_real_megatron_memory() -> None:
         det.on_frame(StepFrame("real", step, float(step), np.ones(1, dtype=bool),
                                {"mem.allocated_mb": np.array([mem_bytes / 2**20])}))  # fmt: skip
     assert len(rows) > 9000 and not ctx.book.open and not ctx.book.resolved
+
+
+def test_host_rss_sent_once_per_batch_is_judged_per_sample() -> None:
+    """A CPU run reports `mem.rss_mb` only on the last step of each batch (every ~2 s, here every 23
+    steps): the window is the rank's last reported samples, and the growth is per step between them."""
+    ctx = RunContext("cpu", 4)
+    det = MemoryLeakDetector(ctx, MemoryLeakDetector.Settings())
+    rng = np.random.default_rng(0)
+    for step in range(1, 1501):
+        rss = np.full(4, np.nan)
+        if step % 23 == 0:  # one sample per batch, flat within +-2 MB on the healthy ranks
+            rss = 900.0 + rng.uniform(-2, 2, 4)
+            rss[2] += 1.0 * max(0, step - 300)  # rank 2 keeps 1 MB a step from step 300 on
+        det.on_frame(StepFrame("cpu", step, 1e9 + step, np.ones(4, dtype=bool), {"mem.rss_mb": rss}))
+    (a,) = ctx.book.open.values()
+    assert (a.rank, a.evidence["metric"]) == (2, "mem.rss_mb")
+    assert 0.9 < a.evidence["mb_per_step"] < 1.1
+    assert a.detected_step < 300 + 34 * 23  # 33 samples after the onset, not 33 blocks of 10 steps
+    assert not ctx.book.resolved

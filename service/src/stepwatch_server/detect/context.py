@@ -27,8 +27,10 @@ class RunContext:
         self.heartbeat_phase: list[str | None] = [None] * world_size
         self.heartbeat_step = np.full(world_size, -1, dtype=np.int64)
         self.paused: list[str | None] = [None] * world_size  # inside watch.phase(...) since phase_start
+        self.n_paused = 0  # ranks with a phase in `paused` (checked per batch: no scan of the list)
         self.ended = np.zeros(world_size, dtype=bool)  # the rank's agent closed its session (session_end)
         self.last_arrival_wall = np.nan  # wall-clock time the run last sent anything
+        self._event_now = -np.inf  # the newest step end or heartbeat seen from any rank
         self._step_ms = np.full(STEP_TIME_WINDOW, np.nan)
         self._step_ms_n = 0
 
@@ -45,24 +47,28 @@ class RunContext:
         if batch.steps.size:  # the latest batch is the truth, also when a resumed incarnation went back
             self.last_step[r] = int(batch.steps[-1])
             self.last_step_ts[r] = float(batch.timestamps[-1])
+            self._event_now = max(self._event_now, self.last_step_ts[r])
         hb = batch.heartbeat
         if hb is not None and not hb.ts <= self.heartbeat_ts[r]:
             self.heartbeat_ts[r] = hb.ts
+            self._event_now = max(self._event_now, hb.ts)
             self.heartbeat_phase[r] = hb.phase
             if hb.last_step is not None:
                 self.heartbeat_step[r] = hb.last_step
         for event in batch.events:
             phase = event.data.get("phase") if isinstance(event.data, dict) else None
             if event.kind == "phase_start":
+                self.n_paused += self.paused[r] is None
                 self.paused[r] = str(phase or "pause")
             elif event.kind == "phase_end":
+                self.n_paused -= self.paused[r] is not None
                 self.paused[r] = None
             elif event.kind == "session_end":
                 self.ended[r] = True
 
     def finished(self) -> bool:
         """Every rank that reported anything has closed its session: the run ended on purpose."""
-        return bool(self.seen.any() and self.ended[self.seen].all())
+        return bool(self.ended.any() and self.ended[self.seen].all())
 
     def record_step_time(self, step_ms: float) -> None:
         if np.isfinite(step_ms):
@@ -78,8 +84,7 @@ class RunContext:
 
     def event_now(self) -> float:
         """The newest event time seen from any rank: step ends and heartbeats."""
-        both = np.concatenate([self.last_step_ts, self.heartbeat_ts])
-        return float(np.nanmax(both)) if np.isfinite(both).any() else float("nan")
+        return float(self._event_now) if np.isfinite(self._event_now) else float("nan")
 
     def where(self, rank: int) -> str:
         """'rank 37 on node gpu-12' (or 'rank 37' when the node is unknown)."""

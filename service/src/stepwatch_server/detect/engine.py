@@ -54,6 +54,9 @@ class RunDetection:
         self.aligner = Aligner(run, world_size, settings.align_grace_s)
         classes = [c for c in DETECTORS if settings.kinds is None or c.kind in settings.kinds]
         self.detectors: list[Detector] = [cls(self.ctx, settings.settings_for(cls)) for cls in classes]
+        # Ticked after every batch: only the detectors that watch time passing (the others' on_tick is
+        # the base class's no-op).
+        self.tickers = [d for d in self.detectors if type(d).on_tick is not Detector.on_tick]
         self._broken: set[str] = set()
 
     def feed(self, batch: Batch, wall_now: float) -> None:
@@ -71,7 +74,7 @@ class RunDetection:
 
     def tick(self, wall_now: float) -> None:
         event_now = self.ctx.event_now()
-        for detector in self.detectors:
+        for detector in self.tickers:
             self._guarded(detector, "on_tick", event_now, wall_now)
 
     def _guarded(self, detector: Detector, method: str, *args: Any) -> None:

@@ -10,14 +10,24 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
 
 from stepwatch_server.detect.anomalies import Anomaly
 from stepwatch_server.detect.engine import DetectionEngine, EngineSettings
 from stepwatch_server.ingest.validate import parse_batch
-from stepwatch_server.simulate import QUICK, SCENARIOS, Detection, Scenario, Score, Simulation, score_scenario
+from stepwatch_server.simulate import (
+    QUICK,
+    SCENARIOS,
+    Detection,
+    Label,
+    Scenario,
+    Score,
+    Simulation,
+    score_scenario,
+)
 
 
 def detect_scenario(sc: Scenario, settings: EngineSettings | None = None) -> tuple[Simulation, list[Anomaly]]:
@@ -54,28 +64,48 @@ def as_detection(anomaly: Anomaly) -> Detection:
     )
 
 
+def _run_one(name: str, settings: EngineSettings | None) -> tuple[Sequence[Label], list[Anomaly], float]:
+    """One scenario (also the unit of work of a worker process with --jobs)."""
+    started = time.monotonic()
+    sim, anomalies = detect_scenario(SCENARIOS[name], settings)
+    return sim.labels, anomalies, time.monotonic() - started
+
+
 def evaluate(
-    names: Iterable[str], settings: EngineSettings | None = None, progress: TextIO | None = sys.stderr
+    names: Iterable[str],
+    settings: EngineSettings | None = None,
+    progress: TextIO | None = sys.stderr,
+    jobs: int = 1,
 ) -> tuple[Score, list[dict[str, Any]]]:
-    """Score the named scenarios; returns the score and one summary row per scenario."""
+    """Score the named scenarios (on `jobs` processes); returns the score and one row per scenario."""
+    names = list(names)
+    if jobs > 1:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            futures = [pool.submit(_run_one, name, settings) for name in names]
+            results: Iterable[tuple[Sequence[Label], list[Anomaly], float]] = (f.result() for f in futures)
+            return _score(names, results, progress)
+    return _score(names, (_run_one(name, settings) for name in names), progress)
+
+
+def _score(
+    names: list[str], results: Iterable[tuple[Sequence[Label], list[Anomaly], float]], progress: TextIO | None
+) -> tuple[Score, list[dict[str, Any]]]:
     total = Score()
     rows: list[dict[str, Any]] = []
-    for name in names:
+    for name, (labels, anomalies, seconds) in zip(names, results, strict=True):
         sc = SCENARIOS[name]
-        started = time.monotonic()
-        sim, anomalies = detect_scenario(sc, settings)
-        score_scenario(total, name, sim.labels, [as_detection(a) for a in anomalies], steps=sc.last_step)
+        score_scenario(total, name, labels, [as_detection(a) for a in anomalies], steps=sc.last_step)
+        found = [f"{a.kind} {a.key} @{a.detected_step}" for a in anomalies]
         row = {
             "scenario": name,
             "ranks": sc.world_size,
             "steps": sc.last_step,
-            "labels": [lab.kind for lab in sim.labels],
-            "anomalies": [f"{a.kind} {a.key} @{a.detected_step}" for a in anomalies],
-            "seconds": round(time.monotonic() - started, 1),
+            "labels": [lab.kind for lab in labels],
+            "anomalies": found,
+            "seconds": round(seconds, 1),
         }
         rows.append(row)
         if progress is not None:
-            found = [f"{a.kind} {a.key} @{a.detected_step}" for a in anomalies]
             print(
                 f"{name:<36} {sc.world_size:>4} ranks {sc.last_step:>6} steps  {row['seconds']:>6}s  "
                 f"labels={row['labels']} found={found[:6]}",
@@ -114,12 +144,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("scenarios", nargs="*", help="scenario names (default: the whole suite)")
     parser.add_argument("--quick", action="store_true", help="the quick subset used by the tests")
     parser.add_argument("--json", type=Path, help="write the score and per-scenario rows here")
+    parser.add_argument("--jobs", type=int, default=1, help="scenarios run in parallel processes (default 1)")
     args = parser.parse_args(argv)
     unknown = [n for n in args.scenarios if n not in SCENARIOS]
     if unknown:
         parser.error(f"unknown scenario {unknown[0]!r}; see `python -m stepwatch_server.simulate list`")
     names = args.scenarios or (list(QUICK) if args.quick else list(SCENARIOS))
-    total, rows = evaluate(names)
+    if args.jobs < 1:
+        parser.error("--jobs must be at least 1")
+    total, rows = evaluate(names, jobs=args.jobs)
     print(total.table())
     print()
     print(markdown_table(total))

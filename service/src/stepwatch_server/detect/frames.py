@@ -49,7 +49,10 @@ class Aligner:
 
     def __init__(self, run: str, world_size: int, grace_s: float, capacity: int = RING_STEPS) -> None:
         self.run, self.world_size, self.grace_s, self.capacity = run, world_size, grace_s, capacity
-        self._metrics: dict[str, np.ndarray] = {}
+        # Every metric's ring in one array (metric x step slot x rank): one scatter per batch, one copy
+        # per frame, whatever the number of metrics.
+        self._metric_index: dict[str, int] = {}
+        self._mring = np.full((0, capacity, world_size), np.nan)
         self._tensors: dict[tuple[str, str], np.ndarray] = {}
         self._count = np.zeros(capacity, dtype=np.int32)
         self._present = np.zeros((capacity, world_size), dtype=bool)
@@ -91,27 +94,36 @@ class Aligner:
         # Make room: the newest step must fit in the ring behind next_step.
         while int(steps[-1]) - self.next_step >= self.capacity:
             frames.append(self._emit())
-        steps_in = steps[steps >= self.next_step]
-        sel = np.flatnonzero(steps >= self.next_step)
-        if index is not None:
-            sel = index[sel]
+        sel: np.ndarray | slice
+        if index is None and steps[0] >= self.next_step:  # the common case: the whole batch is new
+            steps_in, sel = steps, slice(None)
+        else:
+            keep = steps >= self.next_step
+            steps_in, sel = steps[keep], np.flatnonzero(keep)
+            if index is not None:
+                sel = index[sel]
         slots = steps_in % self.capacity
         rank = batch.rank
         fresh = ~self._present[slots, rank]
         self._present[slots, rank] = True
-        np.add.at(self._count, slots[fresh], 1)
+        self._count[slots[fresh]] += 1  # slots are distinct: a batch spans < capacity steps
         ts = batch.timestamps[sel]
         self._ts[slots] = np.maximum(self._ts[slots], ts)
         self._first_seen[slots] = np.minimum(self._first_seen[slots], ts)
         self.observe_time(float(ts.max()))
+        rows: list[int] = []
+        cols: list[np.ndarray] = []
         for name, col in batch.metrics.items():
-            ring = self._metric_ring(name)
-            if ring is None:
+            row = self._metric_row(name)
+            if row < 0:
                 continue
             values = col.values[sel]
             if col.present is not None:
                 values = np.where(col.present[sel], values, np.nan)
-            ring[slots, rank] = values
+            rows.append(row)
+            cols.append(values)
+        if rows:
+            self._mring[np.array(rows)[:, None], slots[None, :], rank] = np.stack(cols)
         if batch.tensors and batch.tensor_steps.size:
             self._add_tensors(batch, rank)
         for step, value in zip(batch.fingerprint_steps.tolist(), batch.fingerprints, strict=True):
@@ -138,11 +150,16 @@ class Aligner:
                     values = np.where(col.present[ok], values, np.nan)
                 ring[tslots, rank] = values
 
-    def _metric_ring(self, name: str) -> np.ndarray | None:
-        ring = self._metrics.get(name)
-        if ring is None and len(self._metrics) < MAX_METRICS:
-            ring = self._metrics[name] = np.full((self.capacity, self.world_size), np.nan)
-        return ring
+    def _metric_row(self, name: str) -> int:
+        """The metric's row in the ring array (a new one for a new name), -1 beyond MAX_METRICS."""
+        row = self._metric_index.get(name)
+        if row is None:
+            if len(self._metric_index) >= MAX_METRICS:
+                return -1
+            row = self._metric_index[name] = len(self._metric_index)
+            fresh = np.full((1, self.capacity, self.world_size), np.nan)
+            self._mring = np.concatenate([self._mring, fresh])
+        return row
 
     def _tensor_ring(self, stat: str, name: str) -> np.ndarray | None:
         ring = self._tensors.get((stat, name))
@@ -201,7 +218,7 @@ class Aligner:
             step=step,
             ts=float(self._ts[slot]),
             present=self._present[slot].copy(),
-            metrics={name: ring[slot].copy() for name, ring in self._metrics.items()},
+            metrics=dict(zip(self._metric_index, self._mring[:, slot].copy(), strict=True)),
             fingerprints=self._fingerprints.pop(step, {}),
             events=self._events.pop(step, []),
         )
@@ -211,8 +228,7 @@ class Aligner:
                 if not np.isnan(row).all():
                     frame.tensors.setdefault(stat, {})[name] = row.copy()
                 ring[slot] = np.nan
-        for ring in self._metrics.values():
-            ring[slot] = np.nan
+        self._mring[:, slot] = np.nan
         self._count[slot] = 0
         self._present[slot] = False
         self._ts[slot] = -np.inf

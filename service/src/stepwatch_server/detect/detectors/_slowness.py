@@ -17,13 +17,15 @@ when all of these hold:
   - exp(m) >= `min_ratio` and exp(m - b) >= `min_ratio`: persistently slower than its peers, and
     slower than it normally is;
   - m - b is `min_z` units above the ranks' median, the unit being the larger of what chance gives a
-    window mean (the phase's per-step noise, estimated robustly across ranks, / sqrt(window)) and the
+    window mean (the phase's per-step noise: the median over ranks of each rank's standard deviation
+    over its window, so that with few ranks a straggler does not set it / sqrt(window)) and the
     ranks' actual spread (1.4826 x MAD), and at least `min_scale`: noisy phases (data loading) and
     noisy runs raise the bar by themselves;
   - (exp(m) - 1) x the phase's share of the step >= `min_excess_frac`: the time the run loses to the
     rank is not negligible, so a tiny phase's noise (a 0.1 ms data wait doubling) cannot trigger it.
-A rank is slow when it has been slow-now for `confirm_steps` judged steps in a row; it stops being
-slow after `clear_steps` judged steps in a row below half of each bar (hysteresis).
+A rank is slow when it has been slow-now for `confirm_steps` judged steps in a row spanning at least
+`min_duration_s` of event time (with 10-30 ms CPU steps, four steps are a scheduler hiccup); it stops
+being slow after `clear_steps` judged steps in a row below half of each bar (hysteresis).
 
 A node is slow-now when at least `node_fraction` of its ranks (and at least 2) are slow-now, slow after
 `confirm_steps` in a row, and clear after `clear_steps` in a row with fewer than half of its ranks still
@@ -39,8 +41,8 @@ are the first `warmup_steps` of a run (compilation, autotuning).
 
 Known limit: a 10% data-loader straggler among ranks whose data time varies 10% per step is near
 what any test can see in 50 steps without false alarms (a sequential test needs ~35-40 steps on
-average); it is found in 22-63 steps depending on the noise draw. A rank that is slow in data from the
-very first steps by less than ~15% may be learnt as its normal.
+average); it is found in 21-75 steps (median 42) depending on the noise draw. A rank that is slow in
+data from the very first steps by less than ~15% may be learnt as its normal.
 """
 
 from __future__ import annotations
@@ -61,8 +63,6 @@ PHASE_METRICS = ("time.data_ms", "time.forward_ms")
 STEP_METRIC = "time.step_ms"
 PAUSE_EVENTS = ("phase_start", "phase_end")
 MAD_TO_SIGMA = 1.4826
-NOISE_ALPHA = 1 / 64  # EWMA weight of each noise sample
-NOISE_EVERY = 1  # judged steps between noise samples (4 with alpha 1/16 halves the cost)
 RESUM_EVERY = 4096  # pushes between exact recomputations of the running sums (float drift)
 
 
@@ -78,6 +78,8 @@ class SlownessSettings(DetectorSettings):
     baseline_steps: int = 256  # a rank's own normal offset is learnt over this many judged steps
     clip_ratio: float = 1.25  # per-step ratios clipped to [1/1.25, 1.25]: a GC pause moves m by < 1%
     confirm_steps: int = 4  # slow-now this many judged steps in a row -> slow (a lucky window is not)
+    min_duration_s: float = 1.0  # ... and for this long in event time: with 10-30 ms steps 4 steps are
+    # a scheduler hiccup (the clean CPU demo on a busy machine had slow-now runs of up to 6 steps, 0.1 s)
     clear_steps: int = 40  # below half of the bars this many judged steps in a row -> clear
     node_fraction: float = 0.75  # share of a node's ranks slow together that makes it a slow node
     warmup_steps: int = 10  # first steps of a run: compilation and autotuning, not judged
@@ -101,7 +103,7 @@ class PauseGate:
         for _, event in frame.events:
             if event.kind in PAUSE_EVENTS:
                 self.until_step = max(self.until_step, event.step + 1 + self.after_steps)
-        if ctx.paused.count(None) != len(ctx.paused):  # some rank is inside watch.phase(...)
+        if ctx.n_paused:  # some rank is inside watch.phase(...)
             self.until_step = max(self.until_step, frame.step + self.after_steps)
             return True
         return frame.step <= self.until_step
@@ -147,6 +149,7 @@ class RankSlowness:
         self._raw = np.full((W, P, R), np.nan)
         self._valid = np.zeros((W, P, R), dtype=bool)
         self._sum = np.zeros((P, R))
+        self._sumsq = np.zeros((P, R))
         self._count = np.zeros((P, R), dtype=np.int64)
         self._pushes = 0
         self.share = np.full(P, np.nan)  # each phase's median time / the median step time (EWMA)
@@ -217,25 +220,18 @@ class RankSlowness:
         slot = self._pushes % self.s.window_steps
         valid = np.isfinite(raw)
         logs = np.where(valid, np.clip(np.log(np.where(valid, raw, 1.0)), -self._clip, self._clip), 0.0)
-        self._sum -= self._log[slot]
+        old = self._log[slot]
+        self._sum -= old
+        self._sumsq -= old * old
         self._count -= self._valid[slot]
         self._log[slot], self._raw[slot], self._valid[slot] = logs, raw, valid
         self._sum += logs
+        self._sumsq += logs * logs
         self._count += valid
         self._pushes += 1
         if self._pushes % RESUM_EVERY == 0:
             self._sum = self._log.sum(axis=0)
-        # Per-step noise of each phase: the ranks' robust spread around their own normal (an EWMA;
-        # sampled every NOISE_EVERY steps, which is plenty for a level that changes slowly).
-        if self._pushes % NOISE_EVERY:
-            return
-        for p in range(logs.shape[0]):
-            ok = valid[p]
-            if np.count_nonzero(ok) >= 3:
-                resid = logs[p, ok] - np.clip(self.base[p, ok], -self._lo, self._lo)
-                sd = MAD_TO_SIGMA * float(np.median(np.abs(resid - np.median(resid))))
-                prev = self.noise[p]
-                self.noise[p] = sd if not np.isfinite(prev) else prev + (sd - prev) * NOISE_ALPHA
+            self._sumsq = (self._log * self._log).sum(axis=0)
 
     def _verdicts(self, frame: StepFrame) -> None:
         s = self.s
@@ -246,6 +242,12 @@ class RankSlowness:
         self.mean = mean
         if not np.isfinite(mean).any():
             return
+        # Per-step noise of each phase: each rank's standard deviation over the window around its own
+        # mean (the clip bounds every value, so one GC pause adds little), the median over the ranks
+        # (a straggler's steady slowness is neither noise nor, with few ranks, allowed to set it).
+        with np.errstate(invalid="ignore", divide="ignore"):
+            sd = np.sqrt(np.maximum(self._sumsq / np.maximum(self._count, 1) - mean * mean, 0.0))
+        self.noise = _row_median(np.where(enough, sd, np.nan))[:, 0]
         lo = math.log(s.min_ratio)
         change = mean - np.clip(self.base, -lo, lo)  # against the rank's own normal offset
         dev = change - _row_median(change)
@@ -284,7 +286,8 @@ class RankSlowness:
             frac = self.node_slow_count / np.maximum(self.node_size, 1)
             crowd[known] = frac[self.node_of[known]] >= 0.5
         need = np.where(crowd, 2 * s.confirm_steps, s.confirm_steps)
-        start = ~self.slow & (self.run >= need)
+        lasted = frame.ts - self._run_ts >= s.min_duration_s
+        start = ~self.slow & (self.run >= need) & lasted
         stop = self.slow & (self.quiet >= s.clear_steps)
         self.slow_since[start] = self._run_step[start]  # the step its window first crossed the bar
         self.slow_since_ts[start] = self._run_ts[start]
@@ -305,7 +308,8 @@ class RankSlowness:
         self.node_run = np.where(self.node_slow_now, self.node_run + 1, 0)
         self._node_run_step[began], self._node_run_ts[began] = frame.step, frame.ts
         self.node_quiet = np.where(still_count >= self.node_size / 2, 0, self.node_quiet + 1)
-        start = ~self.node_slow & (self.node_run >= s.confirm_steps)
+        lasted = frame.ts - self._node_run_ts >= s.min_duration_s
+        start = ~self.node_slow & (self.node_run >= s.confirm_steps) & lasted
         stop = self.node_slow & (self.node_quiet >= s.clear_steps)
         self.node_since[start] = self._node_run_step[start]
         self.node_since_ts[start] = self._node_run_ts[start]
@@ -349,8 +353,11 @@ class RankSlowness:
         return _row_median(cols)[:, 0]
 
     def excess_frac(self, phase: int, ranks: np.ndarray | int) -> np.ndarray:
+        """The share of each step the run loses to the ranks (evidence): the window's median unclipped
+        ratio - 1, times the phase's share of the step (the clipped mean that judges them says at most
+        25%, which would report a rank at 40x its peers as costing a few tenths of a percent)."""
         share = float(self.share[phase]) if np.isfinite(self.share[phase]) else float("nan")
-        return np.asarray(np.expm1(self.mean[phase, ranks]) * share)
+        return np.asarray((self.window_ratio(phase, ranks) - 1.0) * share)
 
 
 def _row_median(a: np.ndarray) -> np.ndarray:

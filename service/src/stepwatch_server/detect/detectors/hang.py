@@ -106,14 +106,16 @@ class HangDetector(Detector):
                 ctx.book.resolve(KIND, RUN_KEY, step=top, ts=event_now, note="steps advance again")
         if top < 0:
             return
-        if any(p is not None for p in ctx.paused):
+        if ctx.n_paused:
             if not np.isfinite(self._pause_since_ts):
                 self._pause_since_ts = event_now
             if event_now - self._pause_since_ts <= self.s.max_pause_s:
                 self._pause_seen_ts = event_now
         else:
             self._pause_since_ts = float("nan")
-        since = float(np.nanmax([self._progress_ts, self._pause_seen_ts]))
+        since = self._progress_ts  # the later of the progress and the last pause seen (NaN: none)
+        if self._pause_seen_ts > since or since != since:
+            since = self._pause_seen_ts
         stalled_s = event_now - since
         if stalled_s <= self.s.floor_s:  # the common case: no need for the typical step time
             return

@@ -9,8 +9,11 @@ memory up by a few hundred MB and then hold it flat (a plateau); optimizer state
 first steps. A leak is a *sustained* positive slope.
 
 Signal (per rank, vectorised): `mem.allocated_mb` (else `mem.rss_mb` for CPU runs) averaged over
-blocks of `block_steps` steps (bounded ring of `window_blocks` block means per rank). The growth
-per block is the difference of consecutive block means; the window is cut into `sub_windows`
+blocks of `block_steps` steps; each rank keeps a bounded ring of its last `window_blocks` block means
+that hold a value. Device memory comes with every step, so a block is 10 steps; the host RSS comes
+once per batch the agent sends (every ~2 s), so on a CPU run a block is one sample and the window is
+33 samples, however many steps lie between them. The growth between consecutive block means is
+divided by the steps between them; the window is cut into `sub_windows`
 consecutive parts and the leak condition is that the MEDIAN growth of EVERY part is at least
 `min_mb_per_step` per step. A plateau's ramp (1-40 steps) touches a few block differences of one
 part, and a median ignores them; a leak moves every difference of every part. Resolves when the
@@ -73,9 +76,12 @@ class MemoryLeakDetector(Detector):
         self._sum = np.zeros(w)
         self._n = np.zeros(w)
         self._block: int | None = None
-        self._means = np.full((settings.window_blocks, w), np.nan)  # ring of block means
-        self._blocks = np.full(settings.window_blocks, -1, dtype=np.int64)  # block index per row
-        self._filled = 0
+        # Per rank, a ring of the block means it reported (blocks without a value are left out) and
+        # their block indices: dense metrics fill every block, a CPU run's host RSS (one value per
+        # batch the agent sends) a block every few seconds.
+        self._means = np.full((settings.window_blocks, w), np.nan)
+        self._blocks = np.full((settings.window_blocks, w), -1, dtype=np.int64)
+        self._filled = np.zeros(w, dtype=np.int64)
         self._metric: str | None = None
         self._peak = np.full(w, np.nan)
         self._capacity = np.full(w, np.nan)
@@ -102,42 +108,47 @@ class MemoryLeakDetector(Detector):
 
     def _close_block(self, frame: StepFrame) -> None:
         assert self._block is not None
-        mean = np.where(self._n > 0, self._sum / np.maximum(self._n, 1), np.nan)
+        has = np.flatnonzero(self._n > 0)
+        if has.size:
+            rows = self._filled[has] % self.s.window_blocks
+            self._means[rows, has] = self._sum[has] / self._n[has]
+            self._blocks[rows, has] = self._block
+            self._filled[has] += 1
         self._sum[:] = 0.0
         self._n[:] = 0.0
-        row = self._filled % self.s.window_blocks
-        self._means[row] = mean
-        self._blocks[row] = self._block
-        self._filled += 1
-        if self._filled >= self.s.window_blocks:
+        if has.size and (self._filled[has] >= self.s.window_blocks).any():
             self._judge(frame)
 
     def _judge(self, frame: StepFrame) -> None:
         s, ctx = self.s, self.ctx
-        order = (np.arange(s.window_blocks) + self._filled) % s.window_blocks  # oldest first
-        means, blocks = self._means[order], self._blocks[order]
-        gaps = np.diff(blocks).astype(np.float64) * s.block_steps  # steps between block centres
-        growth = np.diff(means, axis=0) / gaps[:, None]  # MB/step, (window_blocks - 1, R)
+        W = s.window_blocks
+        order = (np.arange(W)[:, None] + self._filled[None, :]) % W  # oldest first, per rank
+        means = np.take_along_axis(self._means, order, axis=0)
+        blocks = np.take_along_axis(self._blocks, order, axis=0)
+        full = self._filled >= W
+        gaps = np.where(full, np.diff(blocks, axis=0), 1).astype(np.float64) * s.block_steps
+        growth = np.where(full, np.diff(means, axis=0) / gaps, np.nan)  # MB/step, (W - 1, R)
         parts = np.array_split(growth, s.sub_windows, axis=0)
         with np.errstate(all="ignore"):
             part_med = np.stack([np.nanmedian(p, axis=0) for p in parts])  # (sub_windows, R)
             slope = np.nanmedian(growth, axis=0)
-        leaking = np.all(part_med >= s.min_mb_per_step, axis=0)
+        leaking = full & np.all(part_med >= s.min_mb_per_step, axis=0)
         cleared = np.all(np.nan_to_num(part_med[-2:], nan=0.0) < s.min_mb_per_step / 2, axis=0)
-        window_steps = int((blocks[-1] - blocks[0]) * s.block_steps)
+        window_steps = np.where(full, (blocks[-1] - blocks[0]) * s.block_steps, 0)
         current = np.where(np.isfinite(self._peak), self._peak, means[-1])
         n_leak = int(leaking.sum())
         run_level = n_leak >= max(2, s.run_fraction * ctx.world_size)
         for rank in np.flatnonzero(leaking).tolist() if not run_level else []:
             self._raise(
                 f"rank:{rank}", rank, frame, float(slope[rank]), part_med[:, rank], means[:, rank],
-                float(current[rank]), window_steps,
+                float(current[rank]), int(window_steps[rank]),
             )  # fmt: skip
         if run_level:
             worst = int(np.nanargmax(np.where(leaking, slope, -np.inf)))
             self._raise(
                 RUN_KEY, None, frame, float(np.nanmedian(slope[leaking])), part_med[:, worst],
-                means[:, worst], float(current[worst]), window_steps, n_ranks=n_leak, worst_rank=worst,
+                means[:, worst], float(current[worst]), int(window_steps[worst]), n_ranks=n_leak,
+                worst_rank=worst,
             )  # fmt: skip
         for a in ctx.book.open_of(KIND):
             r: int | None = a.rank if a.key != RUN_KEY else a.evidence.get("worst_rank")

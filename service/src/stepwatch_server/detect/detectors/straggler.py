@@ -13,7 +13,7 @@ the ranks' spread when larger) above the other ranks, and cost the run >= 0.2% o
 judged steps in a row. Backward and step time are never judged: in DDP the healthy ranks wait for
 the straggler inside backward, so they would look guilty there. Steps inside marked pauses and just
 after them, and the first steps of the run, are not judged. A 10% forward straggler is found in
-~30 steps; a 10% data straggler (data time varies ~10% per step) in 22-63 steps.
+~21-27 steps; a 10% data straggler (data time varies ~10% per step) in 21-75 (median 42).
 
 Evidence: the phase, the ratio (median over the window of the rank's time / its peers' median), the
 time lost as a fraction of the step, the rank's and its peers' median phase time, the steps it has
@@ -83,7 +83,7 @@ class StragglerDetector(Detector):
         p = int(sl.phase[r])
         metric = frame.metrics.get(PHASE_METRICS[p])
         ratio = float(sl.window_ratio(p, r)[0])
-        excess = float(sl.excess_frac(p, r))
+        excess = float(sl.excess_frac(p, r)[0])
         since = int(sl.slow_since[r])
         steps = frame.step - since + 1
         mine = peers = float("nan")

@@ -16,7 +16,11 @@ it; the baseline is the median of the `baseline_steps` (512) judged steps before
 the run is not in a drop (so a long drop is not learnt as normal) and needed for at least
 `min_baseline_steps` (100) steps before anything is judged. A drop opens when recent / baseline >=
 `min_ratio` (1.2) for `confirm_steps` (5) judged steps in a row and resolves after `clear_steps` (20)
-in a row below `clear_ratio` (1.1). Steps inside marked pauses (eval, checkpoint: their time sits in
+in a row below `clear_ratio` (1.1). It must also have lasted `min_duration_s` (60 s) of event time:
+with short steps (a 10 ms CPU step, a 100 ms GPU step) 5 steps are a fraction of a second, and a few
+seconds of contention (a co-scheduled process's burst, a GC storm, checkpoint I/O of another job)
+slow a run by 1.2-3x and pass; the causes worth an alarm (power or thermal capping, a slow shared
+filesystem, a co-scheduled job, a changed config) last minutes to hours. Steps inside marked pauses (eval, checkpoint: their time sits in
 the next step's data time) and the `skip_after_pause_steps` after them are not judged, nor the first
 `warmup_steps` (compilation, autotuning).
 
@@ -56,7 +60,8 @@ class ThroughputDropSettings(DetectorSettings):
     min_baseline_steps: int = 100  # judge nothing before the baseline has this many steps
     min_ratio: float = 1.2  # a fifth more time per step: real money, above the level noise of busy runs
     clear_ratio: float = 1.1  # hysteresis: back within 10% of the baseline
-    confirm_steps: int = 5  # judged steps in a row at/over min_ratio -> open
+    confirm_steps: int = 5  # judged steps in a row at/over min_ratio -> open ...
+    min_duration_s: float = 60.0  # ... lasting this long in event time: shorter slowdowns are blips
     clear_steps: int = 20  # judged steps in a row under clear_ratio -> resolve
     critical_ratio: float = 1.5  # the run takes half again as long per step
     warmup_steps: int = 20  # compilation, autotuning and the first slow steps are not judged
@@ -81,6 +86,8 @@ class ThroughputDropDetector(Detector):
         self._base_med = np.full(P, np.nan)  # median of the baseline ring, as of _base_at entries
         self._base_at = 0
         self.hot = 0  # judged steps in a row at/over min_ratio
+        self.hot_since_ts = float("nan")  # event time of the first of them
+        self._onset = (-1, float("nan"))  # (step, ts) where that streak's slow steps began
         self.cool = 0  # judged steps in a row under clear_ratio
         self.since_step = -1
         self.since_ts = float("nan")
@@ -118,6 +125,11 @@ class ThroughputDropDetector(Detector):
         if not (base[0] > 0 and np.isfinite(recent[0])):
             return
         ratio = float(recent[0] / base[0])
+        if ratio >= s.min_ratio and self.hot == 0 and not is_open:
+            # The median crossed when half of the recent window was slow: a drop is dated from there.
+            back = (self._n_recent - 1 - s.recent_steps // 2) % s.recent_steps
+            self.hot_since_ts = frame.ts
+            self._onset = (int(self._steps[back]), float(self._ts[back]))
         self.hot = self.hot + 1 if ratio >= s.min_ratio else 0
         self.cool = self.cool + 1 if ratio < s.clear_ratio else 0
         if is_open:
@@ -126,10 +138,8 @@ class ThroughputDropDetector(Detector):
                 self.hot = 0
             elif self.hot:  # updated while slow; left alone while it clears
                 self._raise(frame, ratio, recent, base)
-        elif self.hot >= s.confirm_steps:
-            # The median crossed when half of the recent window was slow: date the drop from there.
-            back = (self._n_recent - self.hot - s.recent_steps // 2) % s.recent_steps
-            self.since_step, self.since_ts = int(self._steps[back]), float(self._ts[back])
+        elif self.hot >= s.confirm_steps and frame.ts - self.hot_since_ts >= s.min_duration_s:
+            self.since_step, self.since_ts = self._onset
             self._raise(frame, ratio, recent, base)
 
     @staticmethod

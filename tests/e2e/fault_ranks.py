@@ -1,0 +1,130 @@
+"""One rank of a 4-rank gloo DDP run with a real fault injected on one rank (run as a subprocess).
+
+`python -m tests.e2e.fault_ranks --rank R --world-size 4 --master-port P --url URL --run NAME
+--fault KIND --fault-rank F --fault-step S --steps N --deadline-s D` trains a tiny MLP on the CPU with
+`stepwatch.attach(...)` and, on rank F from step S on, injects KIND for real inside the process:
+
+- `slow_forward`: the `slow` module sleeps in its forward (the rank computes slower; the others wait for
+  it in the gradient all-reduce inside backward);
+- `stop`: the rank stops stepping (sleeps before its next forward until the deadline); the others block in
+  their all-reduce;
+- `nan`: the `poison` module returns NaN; like a mixed-precision loop, every rank skips the optimizer step
+  when the all-reduced gradients are non-finite;
+- `leak`: the loop keeps a list of the tensors it makes each step (1 MB a step), so the rank's memory grows.
+
+Every process is bounded: it exits by itself at `--deadline-s` seconds after start (the collective timeout
+is shorter than that), and the test kills what is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import time
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import stepwatch
+
+WIDTH = 64
+BATCH = 32
+LEAK_FLOATS_PER_STEP = 1 << 18  # 1 MB of float32 kept per step
+SLOW_FORWARD_S = 0.02
+DATA_MS = 5.0  # a data loader's pace: also keeps 4 processes from saturating a 2-core machine
+
+
+class Fault(torch.nn.Module):
+    """Identity, except on the faulty rank from the fault step on (the training loop sets `active`)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.active = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.active:
+            return x
+        if self.kind == "slow_forward":
+            time.sleep(SLOW_FORWARD_S)
+            return x
+        return x * float("nan")
+
+
+def build_model() -> torch.nn.Sequential:
+    torch.manual_seed(0)  # identical initial weights on every replica
+    return torch.nn.Sequential(
+        OrderedDict(
+            fc1=torch.nn.Linear(16, WIDTH),
+            act=torch.nn.GELU(),
+            slow=Fault("slow_forward"),
+            poison=Fault("nan"),
+            fc2=torch.nn.Linear(WIDTH, 1),
+        )
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser()
+    for name in ("--rank", "--world-size", "--master-port", "--fault-rank", "--fault-step", "--steps"):
+        p.add_argument(name, type=int, required=True)
+    for name in ("--url", "--run", "--fault"):
+        p.add_argument(name, required=True)
+    p.add_argument("--deadline-s", type=float, required=True)
+    p.add_argument("--data-ms", type=float, default=DATA_MS, help="every rank's data loader time per step")
+    p.add_argument("--spool-dir", required=True)
+    a = p.parse_args(argv)
+    deadline = time.monotonic() + a.deadline_s
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.master_port), LOCAL_RANK=str(a.rank))
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=max(5.0, a.deadline_s - 5.0))
+    dist.init_process_group("gloo", rank=a.rank, world_size=a.world_size, timeout=timeout)
+    model = build_model()
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    watch = stepwatch.attach(
+        ddp,
+        optimizer,
+        run=a.run,
+        url=a.url,
+        track=["module.poison"],
+        spool_dir=a.spool_dir,
+        flush_interval_s=0.2,
+        heartbeat_interval_s=0.5,
+    )
+    faulty = a.rank == a.fault_rank
+    gen = torch.Generator().manual_seed(1000 + a.rank)  # each rank sees its own shard of the data
+    kept: list[torch.Tensor] = []
+    for step in range(1, a.steps + 1):
+        if time.monotonic() > deadline:
+            break
+        if faulty and step >= a.fault_step:
+            if a.fault == "stop":
+                while time.monotonic() < deadline:  # stuck before its forward: never steps again
+                    time.sleep(0.2)
+                break
+            if a.fault == "leak":
+                kept.append(torch.ones(LEAK_FLOATS_PER_STEP))
+            model.slow.active = a.fault == "slow_forward"
+            model.poison.active = a.fault == "nan"
+        time.sleep(a.data_ms / 1000)
+        x = torch.randn(BATCH, 16, generator=gen)
+        loss = torch.nn.functional.mse_loss(ddp(x), x[:, :1])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        watch.log(loss=loss)
+        grad_norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1e9)
+        if torch.isfinite(grad_norm):  # a host sync, as AMP's GradScaler does: skip non-finite updates
+            optimizer.step()
+        else:
+            optimizer.zero_grad(set_to_none=True)
+            optimizer.step()  # no gradients: a skipped update, still one record for this rank
+    watch.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
