@@ -6,10 +6,12 @@ fails, because CI must exercise everything.
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,6 +30,15 @@ def require(condition: bool, reason: str) -> None:
     if IN_CI:
         pytest.fail(f"required under CI=true: {reason}")
     pytest.skip(reason)
+
+
+def require_module(name: str) -> Any:
+    """Import `name`; when it is missing, skip (outside CI) or fail (under CI=true), as `require` does."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        require(False, f"{name} cannot be imported: {exc}")
+        raise  # not reached: require() raised
 
 
 def port_open(host: str, port: int) -> bool:

@@ -23,11 +23,11 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("stepwatch")
-
-from tests.conftest import REPO
+from tests.conftest import REPO, require_module
 from tests.e2e.conftest import Collector, free_port
+
+require_module("torch")
+require_module("stepwatch")
 
 WORLD_SIZE = 4
 RANK_DEADLINE_S = 120.0  # each rank process exits by itself after this

@@ -13,8 +13,10 @@ from typing import Any
 
 import pytest
 
-torch = pytest.importorskip("torch")
-stepwatch = pytest.importorskip("stepwatch")
+from tests.conftest import require_module
+
+torch = require_module("torch")
+stepwatch = require_module("stepwatch")
 
 from tests.e2e.conftest import Collector, free_port  # noqa: E402
 

@@ -19,14 +19,14 @@ import pytest
 
 from stepwatch_server.grafana.generate import REPO
 from stepwatch_server.grafana.panels import POSTGRES_TYPE, PROMETHEUS_TYPE, panel_queries
-from tests.conftest import POSTGRES_URL, port_open, require
+from tests.conftest import POSTGRES_URL, port_open, require, require_module
 from tests.e2e.conftest import Collector, free_port, get_json
 from tests.metrics.prometheus import Prometheus, require_prometheus
 from tests.metrics.sql import expand, expand_promql
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("stepwatch")
-psycopg = pytest.importorskip("psycopg")
+torch = require_module("torch")
+require_module("stepwatch")
+psycopg = require_module("psycopg")
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 

@@ -12,6 +12,7 @@ import pytest
 
 from stepwatch_server.simulate import SCENARIOS, Scenario, Simulation, generate
 from stepwatch_server.simulate.scenario import Hang, NonFinite
+from tests.conftest import require_module
 from tests.simulate.helpers import check_batch
 
 SMALL = Scenario(
@@ -48,7 +49,7 @@ def test_suite_batches_pass_the_structural_check(name: str) -> None:
 
 
 def test_collector_validator_accepts_the_batches(small: list[dict[str, Any]]) -> None:
-    validate = pytest.importorskip("stepwatch_server.ingest.validate")
+    validate = require_module("stepwatch_server.ingest.validate")
     for b in small[::7] + [b for b in small if b.get("events")]:
         parsed = validate.parse_batch(json.loads(json.dumps(b)))
         assert parsed.rank == b["rank"] and len(parsed.steps) == len(b["steps"])
