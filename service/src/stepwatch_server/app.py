@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -17,6 +18,7 @@ from sqlalchemy import text
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
+from stepwatch_server.dashboard.routes import router as dashboard_router
 from stepwatch_server.detect.engine import EngineSettings
 from stepwatch_server.detect.routes import router as detect_router
 from stepwatch_server.detect.worker import DetectionWorker
@@ -27,6 +29,7 @@ from stepwatch_server.responses import json_response
 from stepwatch_server.runs.routes import router as runs_router
 from stepwatch_server.settings import Settings
 from stepwatch_server.storage import make_engine, upgrade
+from stepwatch_server.web import live, pages
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -44,6 +47,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await run_in_threadpool(upgrade, engine)
             app.state.engine = engine
             app.state.writer = BatchWriter(engine)
+            app.state.live = live.LiveFeed(engine, app.state.stopping)
             if settings.detection:
                 overrides = settings.detection_overrides
                 app.state.detection = DetectionWorker(engine, EngineSettings(overrides=overrides)).start()
@@ -54,6 +58,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             )
             yield
         finally:
+            feed = getattr(app.state, "live", None)
+            if feed is not None:
+                await feed.close()
             worker = getattr(app.state, "detection", None)
             if worker is not None:
                 await run_in_threadpool(worker.stop)
@@ -73,13 +80,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 "description": "Anomalies, run health, the detection worker (docs/detection.md).",
             },
             {"name": "health", "description": "Liveness and database reachability."},
+            {
+                "name": "dashboard",
+                "description": "What the built-in web dashboard reads (also live, as events).",
+            },
         ],
     )
     app.state.settings = settings
     app.state.detection = None
+    app.state.stopping = threading.Event()  # set by serving.py as shutdown begins: endless responses end
     install_error_handlers(app)
     app.include_router(ingest_router)
     app.include_router(detect_router)  # before runs: `/runs/{run:path}` would take `/runs/x/anomalies`
+    app.include_router(dashboard_router)  # before runs, for the same reason
+    app.include_router(live.router)
+    app.include_router(pages.router)
+    pages.mount_static(app)
     app.include_router(runs_router)
 
     @app.get("/healthz", tags=["health"], summary="The collector is up and its database answers")

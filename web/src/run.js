@@ -1,0 +1,348 @@
+// One run: its curves on one shared, synchronised step axis with anomaly markers; ranks x steps
+// heatmaps (forward/data time relative to the cross-rank median, memory); amax per module against the
+// FP8 limit; the anomaly list with evidence, each entry zooming everything to its step. Live: new steps
+// and anomalies arrive through the event stream.
+import { finiteOrNull, getJson, runPath, toNumber } from "./api.js";
+import { ChartGroup, mergeDetail, uPlot } from "./charts.js";
+import { badge, el, fmtAgo, fmtInt, fmtNum, fmtRate } from "./format.js";
+import { Heatmap } from "./heatmap.js";
+import { subscribe } from "./live.js";
+
+const CURVES = [
+  { metric: "loss", title: "Loss (mean over ranks)", stroke: "#6ea8fe" },
+  { metric: "grad_norm", title: "Gradient norm (mean over ranks)", stroke: "#c084fc" },
+  { metric: "lr", title: "Learning rate", stroke: "#5eead4" },
+  { metric: "time.step_ms", title: "Step time, ms (mean over ranks, log scale)", stroke: "#fbbf24", log: true },
+];
+const PHASES = [
+  { metric: "time.forward_ms", label: "forward time" },
+  { metric: "time.data_ms", label: "data wait" },
+];
+const MEMORY = "mem.allocated_mb";
+const MODULE_COLOURS = ["#6ea8fe", "#f472b6", "#5eead4", "#fbbf24", "#c084fc", "#a3e635", "#fb923c", "#38bdf8"];
+const MAX_POINTS = 1600;
+const TAIL_STEPS = 32; // live updates re-read this many steps back: ranks report a step at different times
+const SLOW_REFRESH_MS = 5000; // heatmaps and amax follow live data at most this often
+const HEATMAP_BUCKETS = 240;
+
+export function renderRun(main, run) {
+  document.title = `${run} · stepwatch`;
+  const state = { run, row: null, curves: [], lastStep: null, anomaliesVersion: undefined, anomalies: [],
+    phase: PHASES[0].metric, highlight: null, alive: true, slowTimer: null, lastSlow: 0 };
+  const group = new ChartGroup();
+  const path = runPath(run);
+
+  const head = el("div", { class: "run-head" });
+  const chartsBox = el("div", { class: "chart-stack" });
+  const zoomNote = el("span", { class: "muted", dataset: { testid: "zoom" } }, "all steps");
+  const resetButton = el("button", { type: "button", onclick: () => group.setRange(null) }, "Show all steps");
+  const charts = el("section", { class: "panel charts", "aria-labelledby": "curves-h" },
+    el("div", { class: "panel-head" }, el("h2", { id: "curves-h" }, "Training curves"),
+      el("span", { class: "muted" }, "Drag across a chart to zoom, double-click to reset; every chart follows."),
+      zoomNote, resetButton),
+    chartsBox);
+  const phaseSelect = el("select", { "aria-label": "Heatmap metric" },
+    PHASES.map((p) => el("option", { value: p.metric }, p.label)));
+  const heatBox = el("div", { class: "heat-box" });
+  const highlightNote = el("span", { class: "muted" });
+  const heatPanel = el("section", { class: "panel", "aria-labelledby": "heat-h" },
+    el("div", { class: "panel-head" }, el("h2", { id: "heat-h" }, "Ranks × steps: "), phaseSelect,
+      el("span", { class: "muted" }, "relative to the median of all ranks at the same steps: a straggler is a line"),
+      highlightNote),
+    heatBox);
+  const memBox = el("div", { class: "heat-box" });
+  const memPanel = el("section", { class: "panel", "aria-labelledby": "mem-h" },
+    el("div", { class: "panel-head" }, el("h2", { id: "mem-h" }, "Memory per rank"),
+      el("span", { class: "muted" }, "allocated MB, each cell the peak of its steps")),
+    memBox);
+  const amaxBox = el("div", {});
+  const amaxTable = el("table", { class: "amax", "aria-label": "Amax headroom per module" });
+  const amaxPanel = el("section", { class: "panel", "aria-labelledby": "amax-h" },
+    el("div", { class: "panel-head" }, el("h2", { id: "amax-h" }, "Activation amax per module"),
+      el("span", { class: "muted" }, "max over ranks, log scale; the dashed line is FP8 E4M3's largest value, 448")),
+    amaxBox, amaxTable);
+  const anomalyList = el("ol", { class: "anomaly-list", "aria-label": "Anomalies" });
+  const anomalyCount = el("span", { class: "muted" });
+  const aside = el("aside", { class: "panel anomalies", id: "anomalies", "aria-labelledby": "anom-h" },
+    el("div", { class: "panel-head" }, el("h2", { id: "anom-h" }, "Anomalies"), anomalyCount), anomalyList);
+  const error = el("p", { class: "error", role: "alert", hidden: true });
+  main.append(
+    el("p", { class: "crumbs" }, el("a", { href: "/", "data-nav": true }, "Runs"), " / ", run),
+    head, error,
+    el("div", { class: "run-grid" }, el("div", { class: "run-main" }, charts, heatPanel, memPanel, amaxPanel), aside),
+  );
+
+  const heat = new Heatmap(heatBox, { label: "Ranks by steps heatmap, relative to the cross-rank median", mode: "median" });
+  const mem = new Heatmap(memBox, { label: "Memory per rank heatmap", mode: "absolute", unit: "MB" });
+  let amaxChart = null;
+
+  const fail = (e) => {
+    if (!state.alive) return;
+    error.hidden = false;
+    error.textContent = `Could not load: ${e.message}`;
+  };
+
+  function renderHead() {
+    const r = state.row;
+    if (!r) return;
+    head.replaceChildren(
+      el("h1", {}, run, " ", badge(r.verdict)),
+      el("dl", { class: "stats" },
+        stat("World size", fmtInt(r.world_size)),
+        stat("Last step", fmtInt(r.last_step), "last-step"),
+        stat("Step rate", fmtRate(r.step_rate)),
+        stat("Open anomalies", fmtInt(r.open_anomalies)),
+        stat("Last seen", `${fmtAgo(r.last_seen_at)}${r.live ? " (live)" : ""}`)),
+    );
+  }
+
+  // -- curves ---------------------------------------------------------------------------------------
+  async function loadCurves(metrics) {
+    const present = CURVES.filter((c) => metrics.includes(c.metric));
+    for (const c of present) {
+      const box = el("div", { class: "chart", dataset: { metric: c.metric } });
+      chartsBox.append(box);
+      const chart = group.add(box, { title: c.title, log: c.log, series: [{ label: c.metric, stroke: c.stroke }] });
+      state.curves.push({ ...c, chart, steps: [], values: [] });
+    }
+    await Promise.all(state.curves.map(async (c) => {
+      const d = await getJson(`${path}/series`, { metric: c.metric, rank: "mean", max_points: MAX_POINTS });
+      const s = d.series[0] ?? { steps: [], values: [] };
+      c.steps = s.steps;
+      c.values = finiteOrNull(s.values);
+      group.setData(c.chart, [c.steps, c.values]);
+    }));
+    state.lastStep = Math.max(-1, ...state.curves.map((c) => c.steps.at(-1) ?? -1));
+    charts.dataset.lastStep = String(state.lastStep);
+  }
+
+  async function loadTail() {
+    const from = Math.max(0, (state.lastStep ?? 0) - TAIL_STEPS);
+    await Promise.all(state.curves.map(async (c) => {
+      const d = await getJson(`${path}/series`, { metric: c.metric, rank: "mean", from_step: from, max_points: MAX_POINTS });
+      const s = d.series[0];
+      if (!s) return;
+      const keep = c.steps.findIndex((x) => x >= from);
+      const cut = keep < 0 ? c.steps.length : keep;
+      c.steps = c.steps.slice(0, cut).concat(s.steps);
+      c.values = c.values.slice(0, cut).concat(finiteOrNull(s.values));
+      group.setData(c.chart, [c.steps, c.values]);
+    }));
+    state.lastStep = Math.max(state.lastStep ?? -1, ...state.curves.map((c) => c.steps.at(-1) ?? -1));
+    charts.dataset.lastStep = String(state.lastStep);
+  }
+
+  async function loadDetail(range) {
+    if (!range) return;
+    const [lo, hi] = [Math.floor(range[0]), Math.ceil(range[1])];
+    await Promise.all(state.curves.map(async (c) => {
+      const d = await getJson(`${path}/series`, { metric: c.metric, rank: "mean", from_step: Math.max(0, lo), to_step: hi, max_points: MAX_POINTS });
+      const s = d.series[0];
+      if (!s) return;
+      [c.steps, c.values] = mergeDetail(c.steps, c.values, s.steps, finiteOrNull(s.values), lo, hi);
+      group.setData(c.chart, [c.steps, c.values]);
+    }));
+  }
+
+  // -- heatmaps and amax ------------------------------------------------------------------------------
+  const rangeParams = () => (group.range ? { from_step: Math.max(0, Math.floor(group.range[0])), to_step: Math.ceil(group.range[1]) } : {});
+
+  async function loadHeatmaps(metrics) {
+    const jobs = [];
+    if (metrics.includes(state.phase)) {
+      jobs.push(getJson(`${path}/heatmap`, { metric: state.phase, mode: "median", buckets: HEATMAP_BUCKETS, ...rangeParams() }).then((d) => heat.setData(d)));
+    } else heat.setData(null);
+    if (metrics.includes(MEMORY)) {
+      jobs.push(getJson(`${path}/heatmap`, { metric: MEMORY, mode: "absolute", buckets: HEATMAP_BUCKETS, ...rangeParams() }).then((d) => mem.setData(d)));
+    } else mem.setData(null);
+    await Promise.all(jobs);
+  }
+
+  async function loadAmax() {
+    const d = await getJson(`${path}/amax`, { max_points: MAX_POINTS, ...rangeParams() });
+    if (!d.modules.length) {
+      amaxBox.replaceChildren(el("p", { class: "muted" }, "No amax recorded (the agent samples it every 10 steps by default)."));
+      return;
+    }
+    const limit = d.e4m3_max;
+    if (!amaxChart) {
+      const series = d.modules.map((m, i) => ({ label: m.name, stroke: MODULE_COLOURS[i % MODULE_COLOURS.length] }));
+      const yRange = (u, min, max) => uPlot.rangeLog(Math.max(1e-3, min ?? 1), Math.max(max ?? 1, limit * 1.5), 10, true);
+      amaxChart = group.add(amaxBox, { title: "", series, log: true, height: 220, yRange, extraDraw: (u) => drawLimit(u, limit) });
+      amaxChart.moduleNames = d.modules.map((m) => m.name);
+    }
+    const tables = amaxChart.moduleNames.map((name) => {
+      const m = d.modules.find((x) => x.name === name) ?? { steps: [], values: [] };
+      return [m.steps, finiteOrNull(m.values)];
+    });
+    group.setData(amaxChart, tables.length === 1 ? tables[0] : joinTables(tables));
+    amaxTable.replaceChildren(
+      el("thead", {}, el("tr", {}, ["Module", "Latest amax", "Headroom to 448", "Status"].map((h) => el("th", { scope: "col" }, h)))),
+      el("tbody", {}, d.modules.map((m) => {
+        const latest = toNumber(m.latest);
+        const room = latest > 0 ? limit / latest : null;
+        const level = latest === null || !Number.isFinite(latest) || room < 1 ? "critical" : room < 4 ? "warning" : "ok";
+        const words = { critical: "overflows FP8", warning: "under 2 bits of headroom", ok: "fits" }[level];
+        return el("tr", {}, el("th", { scope: "row" }, el("code", {}, m.name)), el("td", { class: "num" }, fmtNum(latest)),
+          el("td", { class: "num" }, room === null ? "–" : `${fmtNum(room)}× (${fmtNum(Math.log2(room), 2)} bits)`),
+          el("td", {}, badge(level), ` ${words}`));
+      })),
+    );
+  }
+
+  function refreshSlow(metrics) {
+    const now = Date.now();
+    if (state.slowTimer) return;
+    const wait = Math.max(0, state.lastSlow + SLOW_REFRESH_MS - now);
+    state.slowTimer = setTimeout(() => {
+      state.slowTimer = null;
+      state.lastSlow = Date.now();
+      if (!state.alive) return;
+      loadHeatmaps(metrics).catch(fail);
+      loadAmax().catch(fail);
+    }, wait);
+  }
+
+  // -- anomalies ---------------------------------------------------------------------------------------
+  async function loadAnomalies() {
+    const d = await getJson(`${path}/anomalies`);
+    state.anomalies = d.anomalies.sort((a, b) => a.first_step - b.first_step || a.id - b.id);
+    group.setAnomalies(state.anomalies);
+    const open = state.anomalies.filter((a) => a.status === "open").length;
+    anomalyCount.textContent = `${open} open, ${state.anomalies.length - open} resolved`;
+    anomalyList.replaceChildren(...state.anomalies.map(anomalyItem));
+    if (!state.anomalies.length) anomalyList.append(el("li", { class: "muted" }, "None: the detectors found nothing wrong."));
+  }
+
+  function anomalyItem(a) {
+    const blamed = a.rank !== null ? `rank ${a.rank}${a.node ? ` (${a.node})` : ""}` : a.node ? `node ${a.node}` : "whole run";
+    const steps = a.last_step > a.first_step ? `steps ${fmtInt(a.first_step)}–${fmtInt(a.last_step)}` : `step ${fmtInt(a.first_step)}`;
+    return el("li", { class: `anomaly sev-${a.severity}`, dataset: { kind: a.kind, rank: a.rank ?? "", firstStep: a.first_step, id: a.id } },
+      el("div", { class: "anomaly-head" }, badge(a.severity), el("strong", {}, a.kind.replaceAll("_", " ")),
+        el("span", { class: `status ${a.status}` }, a.status)),
+      el("p", { class: "summary" }, a.summary),
+      el("p", { class: "meta" }, `${blamed} · ${steps}`),
+      el("div", { class: "anomaly-actions" },
+        el("button", { type: "button", class: "goto", onclick: () => zoomTo(a) }, `Show step ${fmtInt(a.first_step)}`),
+        evidence(a.evidence)),
+    );
+  }
+
+  function zoomTo(a) {
+    const all = state.curves[0]?.steps ?? [];
+    const span = all.length ? all.at(-1) - all[0] : 1000;
+    const half = Math.max(30, Math.round(span * 0.03));
+    const lo = Math.max(all[0] ?? 0, a.first_step - half);
+    group.select(a.id);
+    state.highlight = a.rank;
+    heat.setHighlight(a.rank);
+    mem.setHighlight(a.rank);
+    highlightNote.textContent = a.rank !== null ? `highlighting rank ${a.rank} (${a.kind.replaceAll("_", " ")})` : "";
+    for (const li of anomalyList.children) li.classList.toggle("selected", li.dataset.id === String(a.id));
+    group.setRange([lo, a.first_step + half]);
+    charts.scrollIntoView({ block: "start", behavior: "instant" });
+  }
+
+  group.onRange((range) => {
+    charts.dataset.xMin = range ? String(Math.round(range[0])) : "";
+    charts.dataset.xMax = range ? String(Math.round(range[1])) : "";
+    zoomNote.textContent = range ? `steps ${fmtInt(Math.round(range[0]))}–${fmtInt(Math.round(range[1]))}` : "all steps";
+    clearTimeout(state.zoomTimer);
+    state.zoomTimer = setTimeout(() => {
+      if (!state.alive) return;
+      loadDetail(range).catch(fail);
+      loadHeatmaps(state.metrics).catch(fail);
+      loadAmax().catch(fail);
+    }, 200);
+  });
+
+  // -- start and stay live ---------------------------------------------------------------------------------
+  const onResize = () => {
+    const width = chartsBox.clientWidth;
+    group.resize(width);
+    heat.draw();
+    mem.draw();
+  };
+  window.addEventListener("resize", onResize);
+
+  let unsubscribe = () => {};
+  (async () => {
+    const [detail, overview] = await Promise.all([getJson(path), getJson("/api/v1/dashboard/runs")]);
+    state.metrics = detail.metrics;
+    state.row = overview.runs.find((r) => r.name === run) ?? null;
+    state.anomaliesVersion = state.row?.anomalies_updated_at;
+    renderHead();
+    await Promise.all([loadCurves(detail.metrics), loadAnomalies(), loadHeatmaps(detail.metrics), loadAmax()]);
+    state.lastSlow = Date.now();
+    main.dataset.ready = "true";
+    unsubscribe = subscribe(run, async (rows) => {
+      const row = rows.find((r) => r.name === run);
+      if (!row || !state.alive) return;
+      state.row = row;
+      renderHead();
+      if (row.anomalies_updated_at !== state.anomaliesVersion) {
+        state.anomaliesVersion = row.anomalies_updated_at;
+        loadAnomalies().catch(fail);
+      }
+      if (row.last_step !== null && row.last_step > (state.lastStep ?? -1)) {
+        await loadTail().catch(fail);
+        refreshSlow(state.metrics);
+      }
+    });
+  })().catch(fail);
+  phaseSelect.addEventListener("change", () => {
+    state.phase = phaseSelect.value;
+    loadHeatmaps(state.metrics).catch(fail);
+  });
+
+  return () => {
+    state.alive = false;
+    unsubscribe();
+    clearTimeout(state.slowTimer);
+    clearTimeout(state.zoomTimer);
+    window.removeEventListener("resize", onResize);
+    group.destroy();
+  };
+}
+
+function stat(label, value, testid) {
+  return el("div", {}, el("dt", {}, label), el("dd", { dataset: testid ? { testid } : {} }, value));
+}
+
+function evidence(ev) {
+  if (!ev || !Object.keys(ev).length) return null;
+  const rows = Object.entries(ev).map(([k, v]) => el("tr", {}, el("th", { scope: "row" }, k),
+    el("td", {}, typeof v === "number" ? fmtNum(v, 4) : typeof v === "string" ? v : JSON.stringify(v).slice(0, 200))));
+  return el("details", { class: "evidence" }, el("summary", {}, "Evidence"), el("table", {}, el("tbody", {}, rows)));
+}
+
+function drawLimit(u, limit) {
+  const y = u.valToPos(limit, "y", true);
+  if (y < u.bbox.top || y > u.bbox.top + u.bbox.height) return;
+  const { ctx } = u;
+  ctx.save();
+  ctx.strokeStyle = "#ff5c5c";
+  ctx.lineWidth = 1.5 * devicePixelRatio;
+  ctx.setLineDash([6 * devicePixelRatio, 4 * devicePixelRatio]);
+  ctx.beginPath();
+  ctx.moveTo(u.bbox.left, y);
+  ctx.lineTo(u.bbox.left + u.bbox.width, y);
+  ctx.stroke();
+  ctx.fillStyle = "#ff5c5c";
+  ctx.textAlign = "left";
+  ctx.textBaseline = "alphabetic";
+  ctx.font = `${11 * devicePixelRatio}px system-ui, sans-serif`;
+  ctx.fillText("FP8 E4M3 max 448", u.bbox.left + 6 * devicePixelRatio, y - 4 * devicePixelRatio);
+  ctx.restore();
+}
+
+/** Several (steps, values) tables on one x: the union of the steps, null where a table has none. */
+function joinTables(tables) {
+  const xs = [...new Set(tables.flatMap((t) => t[0]))].sort((a, b) => a - b);
+  const index = new Map(xs.map((x, i) => [x, i]));
+  return [xs, ...tables.map(([steps, values]) => {
+    const out = new Array(xs.length).fill(null);
+    steps.forEach((s, i) => (out[index.get(s)] = values[i]));
+    return out;
+  })];
+}
