@@ -76,7 +76,7 @@ def _step_rates(conn: Connection) -> dict[int, float]:
 def runs_overview(conn: Connection, name: str | None = None) -> list[dict[str, Any]]:
     """One row per run (or only run `name`), most recently seen first."""
     run_id = None if name is None else queries.find_run(conn, name).id
-    ids = dict(conn.execute(select(Run.name, Run.id)).tuples().all()) if run_id is None else {name: run_id}
+    ids = {n: i for n, i in conn.execute(select(Run.name, Run.id))} if run_id is None else {name: run_id}
     anomalies = _anomaly_counts(conn)
     rates = _step_rates(conn)
     now = dt.datetime.now(dt.UTC)
