@@ -30,6 +30,7 @@ SCRIPT = WEB / "tests" / "dashboard.mjs"
 SCREENSHOTS = REPO / "artifacts" / "screenshots"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 RUN = "dashboard-demo"
+HEALTHY_RUN = "healthy-baseline"  # a second, clean run: the runs page tells the two apart
 STRAGGLER_RANK = 11
 SPIKE_STEP = 800
 STEPS = 1200
@@ -43,6 +44,7 @@ SCENARIO = Scenario(
     faults=(Straggler(STRAGGLER_RANK, 400, factor=1.3), LossSpike(SPIKE_STEP, magnitude=1.8)),
     flush_interval_s=20.0,  # fewer, larger batches: the run is fed in a few seconds
 )
+HEALTHY = Scenario("healthy", 8, 300, seed=3, flush_interval_s=20.0)
 
 
 def _before_live(doc: dict[str, Any]) -> bool:
@@ -60,6 +62,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     collector = Collector(f"sqlite:///{tmp / 'stepwatch.db'}", free_port(), tmp / "collector.log").start()
     client = Client(collector.url)
     try:
+        Feeder(client, HEALTHY_RUN).send(Simulation(HEALTHY))
         feeder = Feeder(client, RUN)
         batches = iter(Simulation(SCENARIO))
         pending: list[dict[str, Any]] = []
@@ -111,6 +114,7 @@ def test_runs_page_lists_the_run_with_a_warning_verdict(report: dict[str, Any]) 
     runs = report["runsPage"]
     assert runs["verdict"] == "warning", runs
     assert "warning" in runs["text"] and "16" in runs["text"], runs  # the verdict in words, the world size
+    assert runs["verdicts"] == {RUN: "warning", HEALTHY_RUN: "ok"}, runs
 
 
 def test_run_page_draws_every_chart(report: dict[str, Any]) -> None:

@@ -256,6 +256,28 @@ export function renderRun(main, run) {
     }, 200);
   });
 
+  // One tail read at a time; steps that arrive meanwhile are read right after it.
+  let tailRunning = false;
+  let tailAgain = false;
+  async function followTail() {
+    if (tailRunning) {
+      tailAgain = true;
+      return;
+    }
+    tailRunning = true;
+    try {
+      do {
+        tailAgain = false;
+        await loadTail();
+      } while (tailAgain && state.alive);
+      refreshSlow(state.metrics);
+    } catch (e) {
+      fail(e);
+    } finally {
+      tailRunning = false;
+    }
+  }
+
   // -- start and stay live ---------------------------------------------------------------------------------
   const onResize = () => {
     const width = chartsBox.clientWidth;
@@ -275,7 +297,7 @@ export function renderRun(main, run) {
     await Promise.all([loadCurves(detail.metrics), loadAnomalies(), loadHeatmaps(detail.metrics), loadAmax()]);
     state.lastSlow = Date.now();
     main.dataset.ready = "true";
-    unsubscribe = subscribe(run, async (rows) => {
+    unsubscribe = subscribe(run, (rows) => {
       const row = rows.find((r) => r.name === run);
       if (!row || !state.alive) return;
       state.row = row;
@@ -284,10 +306,7 @@ export function renderRun(main, run) {
         state.anomaliesVersion = row.anomalies_updated_at;
         loadAnomalies().catch(fail);
       }
-      if (row.last_step !== null && row.last_step > (state.lastStep ?? -1)) {
-        await loadTail().catch(fail);
-        refreshSlow(state.metrics);
-      }
+      if (row.last_step !== null && row.last_step > (state.lastStep ?? -1)) followTail();
     });
   })().catch(fail);
   phaseSelect.addEventListener("change", () => {

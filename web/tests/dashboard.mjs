@@ -49,6 +49,8 @@ try {
     verdict: await row.locator("[data-verdict]").first().getAttribute("data-verdict"),
     text: (await row.innerText()).replace(/\s+/g, " "),
     liveStatus: await page.locator("#live-status").innerText(),
+    verdicts: Object.fromEntries(await page.$$eval("tr[data-run]", (rows) =>
+      rows.map((r) => [r.dataset.run, r.querySelector("[data-verdict]")?.dataset.verdict]))),
   };
   await page.waitForFunction(() => document.getElementById("live-status")?.dataset.state === "live", null, { timeout: 10_000 }).catch(() => {});
   await page.screenshot({ path: `${shots}/runs.png` });
