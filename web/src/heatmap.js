@@ -21,7 +21,7 @@ export class Heatmap {
     this.unit = unit ?? "";
     this.data = null;
     this.highlight = null; // a rank
-    this.canvas = el("canvas", { class: "heatmap", role: "img", "aria-label": label, tabindex: "0" });
+    this.canvas = el("canvas", { class: "heatmap", role: "img", "aria-label": label });
     this.tip = el("div", { class: "heat-tip", role: "status", "aria-live": "polite" }, "Hover a cell for its rank, steps and value.");
     this.legend = el("div", { class: "heat-legend" });
     parent.append(this.canvas, this.legend, this.tip);

@@ -50,5 +50,8 @@ def run_page(run: str) -> Response:
 
 
 def mount_static(app: FastAPI) -> None:
-    """`/assets/`: the built scripts and styles (content-hashed names, so cacheable for good)."""
-    app.mount("/assets", StaticFiles(directory=STATIC_DIR / "assets", check_dir=False), name="assets")
+    """`/assets/`: the built scripts and styles, when they are built (else `/` says how to build them,
+    and to restart the collector after)."""
+    assets = STATIC_DIR / "assets"
+    if assets.is_dir():
+        app.mount("/assets", StaticFiles(directory=assets), name="assets")
