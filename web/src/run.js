@@ -2,9 +2,11 @@
 // heatmaps (forward/data time relative to the cross-rank median, memory); amax per module against the
 // FP8 limit; the anomaly list with evidence, each entry zooming everything to its step. Live: new steps
 // and anomalies arrive through the event stream.
-import { finiteOrNull, getJson, runPath, toNumber } from "./api.js";
-import { ChartGroup, mergeDetail, uPlot } from "./charts.js";
-import { badge, el, fmtAgo, fmtInt, fmtNum, fmtRate } from "./format.js";
+import { AmaxPanel } from "./amax.js";
+import { anomalyItem } from "./anomalies.js";
+import { finiteOrNull, getJson, runPath } from "./api.js";
+import { ChartGroup, mergeDetail } from "./charts.js";
+import { badge, el, fmtAgo, fmtInt, fmtRate } from "./format.js";
 import { Heatmap } from "./heatmap.js";
 import { subscribe } from "./live.js";
 
@@ -19,7 +21,6 @@ const PHASES = [
   { metric: "time.data_ms", label: "data wait" },
 ];
 const MEMORY = "mem.allocated_mb";
-const MODULE_COLOURS = ["#6ea8fe", "#f472b6", "#5eead4", "#fbbf24", "#c084fc", "#a3e635", "#fb923c", "#38bdf8"];
 const MAX_POINTS = 1600;
 const TAIL_STEPS = 32; // live updates re-read this many steps back: ranks report a step at different times
 const SLOW_REFRESH_MS = 5000; // heatmaps and amax follow live data at most this often
@@ -74,7 +75,7 @@ export function renderRun(main, run) {
 
   const heat = new Heatmap(heatBox, { label: "Ranks by steps heatmap, relative to the cross-rank median", mode: "median" });
   const mem = new Heatmap(memBox, { label: "Memory per rank heatmap", mode: "absolute", unit: "MB" });
-  let amaxChart = null;
+  const amax = new AmaxPanel(amaxBox, amaxTable, group);
 
   const fail = (e) => {
     if (!state.alive) return;
@@ -159,35 +160,7 @@ export function renderRun(main, run) {
   }
 
   async function loadAmax() {
-    const d = await getJson(`${path}/amax`, { max_points: MAX_POINTS, ...rangeParams() });
-    if (!d.modules.length) {
-      amaxBox.replaceChildren(el("p", { class: "muted" }, "No amax recorded (the agent samples it every 10 steps by default)."));
-      return;
-    }
-    const limit = d.e4m3_max;
-    if (!amaxChart) {
-      const series = d.modules.map((m, i) => ({ label: m.name, stroke: MODULE_COLOURS[i % MODULE_COLOURS.length] }));
-      const yRange = (u, min, max) => uPlot.rangeLog(Math.max(1e-3, min ?? 1), Math.max(max ?? 1, limit * 1.5), 10, true);
-      amaxChart = group.add(amaxBox, { title: "", series, log: true, height: 220, yRange, extraDraw: (u) => drawLimit(u, limit) });
-      amaxChart.moduleNames = d.modules.map((m) => m.name);
-    }
-    const tables = amaxChart.moduleNames.map((name) => {
-      const m = d.modules.find((x) => x.name === name) ?? { steps: [], values: [] };
-      return [m.steps, finiteOrNull(m.values)];
-    });
-    group.setData(amaxChart, tables.length === 1 ? tables[0] : joinTables(tables));
-    amaxTable.replaceChildren(
-      el("thead", {}, el("tr", {}, ["Module", "Latest amax", "Headroom to 448", "Status"].map((h) => el("th", { scope: "col" }, h)))),
-      el("tbody", {}, d.modules.map((m) => {
-        const latest = toNumber(m.latest);
-        const room = latest > 0 ? limit / latest : null;
-        const level = latest === null || !Number.isFinite(latest) || room < 1 ? "critical" : room < 4 ? "warning" : "ok";
-        const words = { critical: "overflows FP8", warning: "under 2 bits of headroom", ok: "fits" }[level];
-        return el("tr", {}, el("th", { scope: "row" }, el("code", {}, m.name)), el("td", { class: "num" }, fmtNum(latest)),
-          el("td", { class: "num" }, room === null ? "–" : `${fmtNum(room)}× (${fmtNum(Math.log2(room), 2)} bits)`),
-          el("td", {}, badge(level), ` ${words}`));
-      })),
-    );
+    amax.show(await getJson(`${path}/amax`, { max_points: MAX_POINTS, ...rangeParams() }));
   }
 
   function refreshSlow(metrics) {
@@ -210,22 +183,8 @@ export function renderRun(main, run) {
     group.setAnomalies(state.anomalies);
     const open = state.anomalies.filter((a) => a.status === "open").length;
     anomalyCount.textContent = `${open} open, ${state.anomalies.length - open} resolved`;
-    anomalyList.replaceChildren(...state.anomalies.map(anomalyItem));
+    anomalyList.replaceChildren(...state.anomalies.map((a) => anomalyItem(a, zoomTo)));
     if (!state.anomalies.length) anomalyList.append(el("li", { class: "muted" }, "None: the detectors found nothing wrong."));
-  }
-
-  function anomalyItem(a) {
-    const blamed = a.rank !== null ? `rank ${a.rank}${a.node ? ` (${a.node})` : ""}` : a.node ? `node ${a.node}` : "whole run";
-    const steps = a.last_step > a.first_step ? `steps ${fmtInt(a.first_step)}–${fmtInt(a.last_step)}` : `step ${fmtInt(a.first_step)}`;
-    return el("li", { class: `anomaly sev-${a.severity}`, dataset: { kind: a.kind, rank: a.rank ?? "", firstStep: a.first_step, id: a.id } },
-      el("div", { class: "anomaly-head" }, badge(a.severity), el("strong", {}, a.kind.replaceAll("_", " ")),
-        el("span", { class: `status ${a.status}` }, a.status)),
-      el("p", { class: "summary" }, a.summary),
-      el("p", { class: "meta" }, `${blamed} · ${steps}`),
-      el("div", { class: "anomaly-actions" },
-        el("button", { type: "button", class: "goto", onclick: () => zoomTo(a) }, `Show step ${fmtInt(a.first_step)}`),
-        evidence(a.evidence)),
-    );
   }
 
   function zoomTo(a) {
@@ -326,42 +285,4 @@ export function renderRun(main, run) {
 
 function stat(label, value, testid) {
   return el("div", {}, el("dt", {}, label), el("dd", { dataset: testid ? { testid } : {} }, value));
-}
-
-function evidence(ev) {
-  if (!ev || !Object.keys(ev).length) return null;
-  const rows = Object.entries(ev).map(([k, v]) => el("tr", {}, el("th", { scope: "row" }, k),
-    el("td", {}, typeof v === "number" ? fmtNum(v, 4) : typeof v === "string" ? v : JSON.stringify(v).slice(0, 200))));
-  return el("details", { class: "evidence" }, el("summary", {}, "Evidence"), el("table", {}, el("tbody", {}, rows)));
-}
-
-function drawLimit(u, limit) {
-  const y = u.valToPos(limit, "y", true);
-  if (y < u.bbox.top || y > u.bbox.top + u.bbox.height) return;
-  const { ctx } = u;
-  ctx.save();
-  ctx.strokeStyle = "#ff5c5c";
-  ctx.lineWidth = 1.5 * devicePixelRatio;
-  ctx.setLineDash([6 * devicePixelRatio, 4 * devicePixelRatio]);
-  ctx.beginPath();
-  ctx.moveTo(u.bbox.left, y);
-  ctx.lineTo(u.bbox.left + u.bbox.width, y);
-  ctx.stroke();
-  ctx.fillStyle = "#ff5c5c";
-  ctx.textAlign = "left";
-  ctx.textBaseline = "alphabetic";
-  ctx.font = `${11 * devicePixelRatio}px system-ui, sans-serif`;
-  ctx.fillText("FP8 E4M3 max 448", u.bbox.left + 6 * devicePixelRatio, y - 4 * devicePixelRatio);
-  ctx.restore();
-}
-
-/** Several (steps, values) tables on one x: the union of the steps, null where a table has none. */
-function joinTables(tables) {
-  const xs = [...new Set(tables.flatMap((t) => t[0]))].sort((a, b) => a - b);
-  const index = new Map(xs.map((x, i) => [x, i]));
-  return [xs, ...tables.map(([steps, values]) => {
-    const out = new Array(xs.length).fill(null);
-    steps.forEach((s, i) => (out[index.get(s)] = values[i]));
-    return out;
-  })];
 }
