@@ -23,6 +23,7 @@ export class AmaxPanel {
     }
     const limit = d.e4m3_max;
     if (!this.chart) {
+      this.box.replaceChildren();
       const series = d.modules.map((m, i) => ({ label: m.name, stroke: MODULE_COLOURS[i % MODULE_COLOURS.length] }));
       // Keep the limit in view however small the values are: the distance to it is the point.
       const yRange = (u, min, max) => uPlot.rangeLog(Math.max(1e-3, min ?? 1), Math.max(max ?? 1, limit * 1.5), 10, true);

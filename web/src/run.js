@@ -20,7 +20,10 @@ const PHASES = [
   { metric: "time.forward_ms", label: "forward time" },
   { metric: "time.data_ms", label: "data wait" },
 ];
-const MEMORY = "mem.allocated_mb";
+const MEMORY = [ // the first one the run reports: device memory, else (CPU training) the host's
+  { metric: "mem.allocated_mb", label: "allocated device memory, MB" },
+  { metric: "mem.rss_mb", label: "host memory (RSS), MB: no device memory reported" },
+];
 const MAX_POINTS = 1600;
 const TAIL_STEPS = 32; // live updates re-read this many steps back: ranks report a step at different times
 const SLOW_REFRESH_MS = 5000; // heatmaps and amax follow live data at most this often
@@ -52,9 +55,10 @@ export function renderRun(main, run) {
       highlightNote),
     heatBox);
   const memBox = el("div", { class: "heat-box" });
+  const memNote = el("span", { class: "muted" }, "each cell the peak of its steps");
   const memPanel = el("section", { class: "panel", "aria-labelledby": "mem-h" },
     el("div", { class: "panel-head" }, el("h2", { id: "mem-h" }, "Memory per rank"),
-      el("span", { class: "muted" }, "allocated MB, each cell the peak of its steps")),
+      memNote),
     memBox);
   const amaxBox = el("div", {});
   const amaxTable = el("table", { class: "amax", "aria-label": "Amax headroom per module" });
@@ -153,8 +157,10 @@ export function renderRun(main, run) {
     if (metrics.includes(state.phase)) {
       jobs.push(getJson(`${path}/heatmap`, { metric: state.phase, mode: "median", buckets: HEATMAP_BUCKETS, ...rangeParams() }).then((d) => heat.setData(d)));
     } else heat.setData(null);
-    if (metrics.includes(MEMORY)) {
-      jobs.push(getJson(`${path}/heatmap`, { metric: MEMORY, mode: "absolute", buckets: HEATMAP_BUCKETS, ...rangeParams() }).then((d) => mem.setData(d)));
+    const memory = MEMORY.find((m) => metrics.includes(m.metric));
+    if (memory) {
+      memNote.textContent = `${memory.label}; each cell the peak of its steps`;
+      jobs.push(getJson(`${path}/heatmap`, { metric: memory.metric, mode: "absolute", buckets: HEATMAP_BUCKETS, ...rangeParams() }).then((d) => mem.setData(d)));
     } else mem.setData(null);
     await Promise.all(jobs);
   }
@@ -163,7 +169,7 @@ export function renderRun(main, run) {
     amax.show(await getJson(`${path}/amax`, { max_points: MAX_POINTS, ...rangeParams() }));
   }
 
-  function refreshSlow(metrics) {
+  function refreshSlow() {
     const now = Date.now();
     if (state.slowTimer) return;
     const wait = Math.max(0, state.lastSlow + SLOW_REFRESH_MS - now);
@@ -171,8 +177,10 @@ export function renderRun(main, run) {
       state.slowTimer = null;
       state.lastSlow = Date.now();
       if (!state.alive) return;
-      loadHeatmaps(metrics).catch(fail);
-      loadAmax().catch(fail);
+      getJson(path).then((detail) => { // metrics sampled less often (amax, memory) may have appeared
+        state.metrics = detail.metrics;
+        return Promise.all([loadHeatmaps(detail.metrics), loadAmax()]);
+      }).catch(fail);
     }, wait);
   }
 
@@ -229,7 +237,7 @@ export function renderRun(main, run) {
         tailAgain = false;
         await loadTail();
       } while (tailAgain && state.alive);
-      refreshSlow(state.metrics);
+      refreshSlow();
     } catch (e) {
       fail(e);
     } finally {
@@ -246,28 +254,46 @@ export function renderRun(main, run) {
   };
   window.addEventListener("resize", onResize);
 
-  let unsubscribe = () => {};
-  (async () => {
-    const [detail, overview] = await Promise.all([getJson(path), getJson("/api/v1/dashboard/runs")]);
-    state.metrics = detail.metrics;
-    state.row = overview.runs.find((r) => r.name === run) ?? null;
-    state.anomaliesVersion = state.row?.anomalies_updated_at;
-    renderHead();
-    await Promise.all([loadCurves(detail.metrics), loadAnomalies(), loadHeatmaps(detail.metrics), loadAmax()]);
-    state.lastSlow = Date.now();
-    main.dataset.ready = "true";
-    unsubscribe = subscribe(run, (rows) => {
-      const row = rows.find((r) => r.name === run);
-      if (!row || !state.alive) return;
-      state.row = row;
+  // Open the run (again, when it had not reported yet: the stream says when it has).
+  let loading = false;
+  async function start() {
+    loading = true;
+    try {
+      const [detail, overview] = await Promise.all([getJson(path), getJson("/api/v1/dashboard/runs")]);
+      if (!detail.metrics.length) throw Object.assign(new Error("no metrics yet"), { status: 404 });
+      state.metrics = detail.metrics;
+      state.row = overview.runs.find((r) => r.name === run) ?? null;
+      state.anomaliesVersion = state.row?.anomalies_updated_at;
+      error.hidden = true;
       renderHead();
-      if (row.anomalies_updated_at !== state.anomaliesVersion) {
-        state.anomaliesVersion = row.anomalies_updated_at;
-        loadAnomalies().catch(fail);
-      }
-      if (row.last_step !== null && row.last_step > (state.lastStep ?? -1)) followTail();
-    });
-  })().catch(fail);
+      await Promise.all([loadCurves(detail.metrics), loadAnomalies(), loadHeatmaps(detail.metrics), loadAmax()]);
+      state.lastSlow = Date.now();
+      state.loaded = true;
+      main.dataset.ready = "true";
+    } catch (e) {
+      if (e.status !== 404) throw e;
+      error.hidden = false;
+      error.textContent = `Run ${run} has not reported yet; this page opens it as soon as it does.`;
+    } finally {
+      loading = false;
+    }
+  }
+  const unsubscribe = subscribe(run, (rows) => {
+    const row = rows.find((r) => r.name === run);
+    if (!row || !state.alive) return;
+    if (!state.loaded) {
+      if (!loading) start().catch(fail);
+      return;
+    }
+    state.row = row;
+    renderHead();
+    if (row.anomalies_updated_at !== state.anomaliesVersion) {
+      state.anomaliesVersion = row.anomalies_updated_at;
+      loadAnomalies().catch(fail);
+    }
+    if (row.last_step !== null && row.last_step > (state.lastStep ?? -1)) followTail();
+  });
+  start().catch(fail);
   phaseSelect.addEventListener("change", () => {
     state.phase = phaseSelect.value;
     loadHeatmaps(state.metrics).catch(fail);
