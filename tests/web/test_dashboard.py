@@ -142,6 +142,10 @@ def test_clicking_the_spike_zooms_every_chart_to_it(report: dict[str, Any]) -> N
     for lo, hi in zoom["after"]:
         assert lo <= SPIKE_STEP <= hi and hi - lo <= STEPS / 5, zoom
     assert all(hi - lo > STEPS / 2 for lo, hi in zoom["before"]), zoom
+    assert "#anomaly=" in zoom["url"], zoom  # the zoomed view has an address, and opening it zooms there
+    assert report["permalink"] and all(
+        lo <= SPIKE_STEP <= hi < lo + STEPS / 5 for lo, hi in report["permalink"]
+    )
     assert f"highlighting rank {STRAGGLER_RANK}" in report["highlight"], report["highlight"]
 
 

@@ -12,6 +12,7 @@ export function anomalyItem(a, onGoto) {
     el("p", { class: "meta" }, `${blamed} · ${steps}`),
     el("div", { class: "anomaly-actions" },
       el("button", { type: "button", class: "goto", onclick: () => onGoto(a) }, `Show step ${fmtInt(a.first_step)}`),
+      el("a", { href: `#anomaly=${a.id}`, class: "permalink", onclick: (e) => { e.preventDefault(); onGoto(a); } }, "link"),
       evidence(a.evidence)),
   );
 }

@@ -208,6 +208,14 @@ export function renderRun(main, run) {
     for (const li of anomalyList.children) li.classList.toggle("selected", li.dataset.id === String(a.id));
     group.setRange([lo, a.first_step + half]);
     charts.scrollIntoView({ block: "start", behavior: "instant" });
+    history.replaceState(null, "", `#anomaly=${a.id}`); // a link to this view
+  }
+
+  /** `#anomaly=<id>` in the address: open the run zoomed to that anomaly, as its button does. */
+  function zoomFromAddress() {
+    const id = Number(new URLSearchParams(location.hash.slice(1)).get("anomaly"));
+    const a = state.anomalies.find((x) => x.id === id);
+    if (a) zoomTo(a);
   }
 
   group.onRange((range) => {
@@ -270,6 +278,7 @@ export function renderRun(main, run) {
       state.lastSlow = Date.now();
       state.loaded = true;
       main.dataset.ready = "true";
+      zoomFromAddress();
     } catch (e) {
       if (e.status !== 404) throw e;
       error.hidden = false;

@@ -104,6 +104,7 @@ try {
       before,
       after: await page.$$eval(".uplot", (els) => els.map((e) => [Number(e.dataset.xMin), Number(e.dataset.xMax)])),
       note: await page.locator('[data-testid="zoom"]').innerText(),
+      url: page.url(),
     };
     await page.screenshot({ path: `${shots}/run-zoomed.png`, fullPage: false });
     if (await straggler.count()) {
@@ -131,6 +132,16 @@ try {
   }, [shownBefore, chartBefore], { timeout: LIVE_WAIT_MS, polling: 50 }).then((h) => h.jsonValue()).catch(() => null);
   report.live = { before: shownBefore, chartBefore, after: arrived, ms: arrived ? Date.now() - fed : null };
   rl.close();
+
+  // -- the address of a zoomed view opens zoomed -------------------------------------------------------------
+  if (report.zoom?.url.includes("#anomaly=")) {
+    const again = await context.newPage();
+    again.on("pageerror", (e) => report.consoleErrors.push(`pageerror: ${e.message}`));
+    await again.goto(report.zoom.url);
+    await again.locator('main[data-ready="true"]').waitFor({ timeout: 30_000 });
+    await again.waitForFunction(() => document.querySelector("section.charts")?.dataset.xMin, null, { timeout: 5_000 }).catch(() => {});
+    report.permalink = await again.$$eval(".uplot", (els) => els.map((e) => [Number(e.dataset.xMin), Number(e.dataset.xMax)]));
+  }
 } finally {
   await browser.close();
 }
