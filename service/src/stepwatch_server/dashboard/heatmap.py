@@ -7,6 +7,7 @@ steps in columns; each cell is the rank's mean over the bucket's steps divided b
 ranks' means in that bucket, so 1.0 is "like its peers" and a straggler is a bright horizontal line
 from the step it started. Absolute mode (memory) keeps each bucket's maximum instead, so a one-step
 peak is not averaged away. Everything is vectorised: one bincount over all (rank, bucket) cells.
+On a big run the cells come from the rollups (runs/rollups.py) instead of the raw points.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from sqlalchemy import Connection
 
+from stepwatch_server.runs import rollups
 from stepwatch_server.runs.queries import RankSeries
 
 DEFAULT_BUCKETS = 240
@@ -34,7 +37,7 @@ def bucket_edges(first: int, last: int, buckets: int) -> tuple[np.ndarray, int]:
 def heatmap(series: Sequence[RankSeries], buckets: int, mode: str) -> dict[str, Any]:
     """`series`: one metric's points per rank. Returns ranks, bucket start steps and the matrix."""
     if not series:
-        return {"ranks": [], "steps": [], "bucket_steps": 1, "values": [], "median": []}
+        return _empty()
     first = min(int(s.steps[0]) for s in series)
     last = max(int(s.steps[-1]) for s in series)
     starts, width = bucket_edges(first, last, buckets)
@@ -46,12 +49,51 @@ def heatmap(series: Sequence[RankSeries], buckets: int, mode: str) -> dict[str, 
     cells = row[ok] * starts.shape[0] + col[ok]
     size = ranks.shape[0] * starts.shape[0]
     counts = np.bincount(cells, minlength=size)
+    sums = np.bincount(cells, weights=values[ok], minlength=size)
+    peak = np.full(size, -np.inf)
+    np.maximum.at(peak, cells, values[ok])
+    return _matrix(ranks, starts, width, counts, sums, peak, mode)
+
+
+def heatmap_from_rollups(
+    conn: Connection, sid: int, first: int, last: int, buckets: int, mode: str
+) -> dict[str, Any]:
+    """The same matrix from the per-(rank, bucket) rollups of series `sid`, rollup buckets
+    `first`..`last`: columns are whole rollup buckets wide, summed in SQL (runs/rollups.py)."""
+    per_column = max(1, -(-(last - first + 1) // buckets))  # rollup buckets per column
+    cells = rollups.read_columns(conn, sid, first, last, per_column)
+    cells = cells.take(np.flatnonzero(cells.n > 0))
+    if cells.n.size == 0:
+        return _empty()
+    width = per_column * rollups.BUCKET_STEPS
+    starts = np.arange(first * rollups.BUCKET_STEPS, (last + 1) * rollups.BUCKET_STEPS, width, dtype=np.int64)
+    ranks, row = np.unique(cells.rank, return_inverse=True)
+    index = row * starts.shape[0] + cells.bucket
+    size = ranks.shape[0] * starts.shape[0]
+    counts = np.zeros(size)
+    sums = np.zeros(size)
+    peak = np.full(size, -np.inf)
+    counts[index], sums[index], peak[index] = cells.n, cells.total, cells.hi
+    return _matrix(ranks, starts, width, counts, sums, peak, mode)
+
+
+def _empty() -> dict[str, Any]:
+    return {"ranks": [], "steps": [], "bucket_steps": 1, "values": [], "median": []}
+
+
+def _matrix(
+    ranks: np.ndarray,
+    starts: np.ndarray,
+    width: int,
+    counts: np.ndarray,
+    sums: np.ndarray,
+    peak: np.ndarray,
+    mode: str,
+) -> dict[str, Any]:
+    """Cells (row-major, ranks x buckets) of finite-value counts, sums and maxima -> the answer."""
     if mode == "absolute":
-        peak = np.full(size, -np.inf)
-        np.maximum.at(peak, cells, values[ok])
         matrix = np.where(counts > 0, peak, np.nan)
     else:
-        sums = np.bincount(cells, weights=values[ok], minlength=size)
         with np.errstate(invalid="ignore", divide="ignore"):
             matrix = sums / counts
     matrix = matrix.reshape(ranks.shape[0], starts.shape[0])

@@ -11,13 +11,18 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from starlette.responses import Response
 
-from stepwatch_server.dashboard.across_ranks import max_over_ranks
-from stepwatch_server.dashboard.heatmap import DEFAULT_BUCKETS, MAX_BUCKETS, MODES, heatmap
+from stepwatch_server.dashboard.heatmap import (
+    DEFAULT_BUCKETS,
+    MAX_BUCKETS,
+    MODES,
+    heatmap,
+    heatmap_from_rollups,
+)
 from stepwatch_server.dashboard.summary import runs_overview
 from stepwatch_server.detect.detectors.fp8_overflow import E4M3_MAX, E5M2_MAX
 from stepwatch_server.errors import InvalidBatch, NotFound
 from stepwatch_server.responses import float_list, json_response
-from stepwatch_server.runs import queries
+from stepwatch_server.runs import queries, rollups
 from stepwatch_server.runs.downsample import DEFAULT_MAX_POINTS, downsample
 from stepwatch_server.runs.routes import Conn, FromStep, MaxPoints, ToStep
 from stepwatch_server.storage.models import METRIC_STAT
@@ -54,6 +59,11 @@ def get_heatmap(
         raise NotFound(
             f"metric {metric!r} not found in run {run!r}; GET /api/v1/runs/{run} lists them", field="metric"
         )
+    found_steps = rollups.step_range(conn, list(ids), from_step, to_step)
+    if found_steps is not None and found_steps[2] > rollups.RAW_READ_BUDGET:  # sum the rollups in SQL
+        first, last = found_steps[0] // rollups.BUCKET_STEPS, found_steps[1] // rollups.BUCKET_STEPS
+        cells = heatmap_from_rollups(conn, next(iter(ids)), first, last, buckets, mode)
+        return json_response({"metric": metric, "mode": mode, **cells})
     series = queries.read_points(conn, list(ids), None, from_step, to_step)
     return json_response({"metric": metric, "mode": mode, **heatmap(series, buckets, mode)})
 
@@ -70,12 +80,10 @@ def get_amax(
 ) -> Response:
     found = queries.find_run(conn, run)
     ids = queries.series_ids(conn, found.id, "amax", None)
-    by_series: dict[int, list[queries.RankSeries]] = {}
-    for s in queries.read_points(conn, list(ids), None, from_step, to_step):
-        by_series.setdefault(s.series_id, []).append(s)
+    groups = rollups.across_ranks(conn, list(ids), from_step, to_step, max_points)
     modules = []
-    for sid, name in ids.items():
-        steps, values = max_over_ranks(by_series.get(sid, []))
+    for sid, name in ids.items():  # per step (or group of steps): the maximum over ranks
+        steps, values = groups.of(sid).peak_curve()
         latest = float(values[-1]) if values.size else None
         steps, values = downsample(steps, values, max_points)
         modules.append({"name": name, "steps": steps, "values": float_list(values), "latest": latest})

@@ -26,6 +26,7 @@ from sqlalchemy.exc import IntegrityError
 
 from stepwatch_server.errors import InvalidBatch
 from stepwatch_server.ingest.schema import Batch, Column
+from stepwatch_server.runs import rollups
 from stepwatch_server.storage.engine import write_transaction
 from stepwatch_server.storage.models import (
     METRIC_STAT,
@@ -94,7 +95,8 @@ def insert_points(conn: Connection, rows: Sequence[PointRow] | Sequence[Mapping[
     This is the statement ingest spends its database time in; benchmarks call it directly to
     measure the storage rate without HTTP, parsing or validation. Rows are tuples in
     POINT_COLUMNS order (dicts keyed by those names are accepted too). A row that already exists
-    is skipped (ON CONFLICT DO NOTHING). PostgreSQL gets one `INSERT ... SELECT FROM unnest(arrays)`
+    is skipped (ON CONFLICT DO NOTHING). The rows are also added to the rollups (runs/rollups.py),
+    one bulk upsert in the same transaction. PostgreSQL gets one `INSERT ... SELECT FROM unnest(arrays)`
     per chunk (about twice the rate of executemany); SQLite gets the driver's executemany of
     tuples (about twice the rate of SQLAlchemy's per-row parameter processing).
     """
@@ -105,6 +107,7 @@ def insert_points(conn: Connection, rows: Sequence[PointRow] | Sequence[Mapping[
         if isinstance(rows[0], Mapping)
         else rows
     )
+    rollups.upsert(conn, cast("Sequence[PointRow]", tuples))  # the dashboard's wide views read these
     for start in range(0, len(tuples), _POINTS_CHUNK_ROWS):
         chunk = tuples[start : start + _POINTS_CHUNK_ROWS]
         if conn.dialect.name == "postgresql":
