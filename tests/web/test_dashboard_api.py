@@ -57,6 +57,10 @@ def test_overview_heatmap_and_amax(collector: Collector) -> None:
     by_name = {m["name"]: m for m in amax["modules"]}
     assert by_name["layers.1"]["values"][0] == 7 + 1 + 1  # max over ranks: rank 7, module 1, step 1
     assert by_name["layers.0"]["latest"] == 7 + 0 + 40 % 5
+    grouped = collector.get("/api/v1/runs/dash/amax", max_points=4)  # 40 steps in groups of 20
+    layer0 = next(m for m in grouped["modules"] if m["name"] == "layers.0")
+    assert layer0["steps"] == [1, 21] and layer0["values"] == [7 + 0 + 4] * 2  # each group's peak
+    assert layer0["latest"] == 7 + 0 + 40 % 5  # the last step's, not the last group's maximum
 
 
 def test_heatmap_rejects_a_bad_mode_and_an_unknown_metric(collector: Collector) -> None:

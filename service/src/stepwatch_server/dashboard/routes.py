@@ -81,10 +81,12 @@ def get_amax(
     found = queries.find_run(conn, run)
     ids = queries.series_ids(conn, found.id, "amax", None)
     groups = rollups.across_ranks(conn, list(ids), from_step, to_step, max_points)
+    tail = rollups.read_steps(conn, list(ids), groups.last_group_start(), to_step)  # the latest steps
     modules = []
     for sid, name in ids.items():  # per step (or group of steps): the maximum over ranks
         steps, values = groups.of(sid).peak_curve()
-        latest = float(values[-1]) if values.size else None
+        latest_peak = tail.peak[tail.series_id == sid]
+        latest = float(latest_peak[-1]) if latest_peak.size else None
         steps, values = downsample(steps, values, max_points)
         modules.append({"name": name, "steps": steps, "values": float_list(values), "latest": latest})
     return json_response({"e4m3_max": E4M3_MAX, "e5m2_max": E5M2_MAX, "modules": modules})

@@ -95,8 +95,9 @@ def insert_points(conn: Connection, rows: Sequence[PointRow] | Sequence[Mapping[
     This is the statement ingest spends its database time in; benchmarks call it directly to
     measure the storage rate without HTTP, parsing or validation. Rows are tuples in
     POINT_COLUMNS order (dicts keyed by those names are accepted too). A row that already exists
-    is skipped (ON CONFLICT DO NOTHING). The rows are also added to the rollups (runs/rollups.py),
-    one bulk upsert in the same transaction. PostgreSQL gets one `INSERT ... SELECT FROM unnest(arrays)`
+    is skipped (ON CONFLICT DO NOTHING). The rows are then added to the rollups (runs/rollups.py),
+    one bulk upsert per rollup table in the same transaction, after the points, so that the rows it
+    shares with other ranks' batches are locked as briefly as possible. PostgreSQL gets one `INSERT ... SELECT FROM unnest(arrays)`
     per chunk (about twice the rate of executemany); SQLite gets the driver's executemany of
     tuples (about twice the rate of SQLAlchemy's per-row parameter processing).
     """
@@ -107,13 +108,13 @@ def insert_points(conn: Connection, rows: Sequence[PointRow] | Sequence[Mapping[
         if isinstance(rows[0], Mapping)
         else rows
     )
-    rollups.upsert(conn, cast("Sequence[PointRow]", tuples))  # the dashboard's wide views read these
     for start in range(0, len(tuples), _POINTS_CHUNK_ROWS):
         chunk = tuples[start : start + _POINTS_CHUNK_ROWS]
         if conn.dialect.name == "postgresql":
             conn.exec_driver_sql(_INSERT_POINTS_PG, tuple(list(col) for col in zip(*chunk, strict=True)))
         else:
             conn.exec_driver_sql(_INSERT_POINTS_SQLITE, list(chunk))
+    rollups.upsert(conn, cast("Sequence[PointRow]", tuples))  # the dashboard's wide views read these
 
 
 def _utcnow() -> dt.datetime:

@@ -316,6 +316,9 @@ class Groups:
         keep = self.series_id == sid
         return Groups(self.first, self.per, *(getattr(self, f)[keep] for f in Groups.__slots__[2:]))
 
+    def last_group_start(self) -> int:
+        return self.first + (int(self.group.max()) if self.group.size else 0) * self.per
+
     def mean_curve(self) -> tuple[np.ndarray, np.ndarray]:
         """(steps, values): per step the mean; per group its lowest then highest mean (at its first and
         middle step), NaN where a group holds a non-finite value."""
