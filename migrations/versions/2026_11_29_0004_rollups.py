@@ -5,7 +5,8 @@ Revision ID: 0004
 Revises: 0002
 Create Date: 2026-11-29 18:50:00.000000
 
-The rollups of the values already stored are computed here (one INSERT ... SELECT per kind of row).
+The rollups of the values already stored are computed here (one INSERT ... SELECT per kind of row);
+`rollup_marks` holds per run the highest step rolled up (runs/rollup_worker.py keeps both up to date).
 """
 
 from __future__ import annotations
@@ -52,10 +53,12 @@ def upgrade() -> None:
     sa.PrimaryKeyConstraint('series_id', 'step', 'incarnation', name=op.f('pk_step_rollups')),
     sqlite_with_rowid=False
     )
-    if op.get_bind().dialect.name == 'postgresql':
-        # every rank's batch updates these rows: room on the page lets PostgreSQL update in place (HOT)
-        op.execute('ALTER TABLE step_rollups SET (fillfactor = 50)')
-        op.execute('ALTER TABLE rollups SET (fillfactor = 70)')
+    op.create_table('rollup_marks',
+    sa.Column('run_id', sa.Integer(), autoincrement=False, nullable=False),
+    sa.Column('rolled_to', sa.BigInteger(), nullable=False),
+    sa.ForeignKeyConstraint(['run_id'], ['runs.id'], name=op.f('fk_rollup_marks_run_id_runs'), ondelete='CASCADE'),
+    sa.PrimaryKeyConstraint('run_id', name=op.f('pk_rollup_marks'))
+    )
     finite = 'abs(value) < 1e308'  # false for NULL (SQLite's NaN), NaN and infinities on both backends
     stats = (
         f'sum(CASE WHEN {finite} THEN 1 ELSE 0 END), coalesce(sum(CASE WHEN {finite} THEN value END), 0), '
@@ -71,8 +74,13 @@ def upgrade() -> None:
         f'INSERT INTO step_rollups (series_id, step, incarnation, n, total, lo, hi, nonfinite) '
         f'SELECT series_id, step, incarnation, {stats} FROM points GROUP BY series_id, step, incarnation'
     )
+    op.execute(
+        'INSERT INTO rollup_marks (run_id, rolled_to) SELECT series.run_id, max(points.step) '
+        'FROM points JOIN series ON series.id = points.series_id GROUP BY series.run_id'
+    )
 
 
 def downgrade() -> None:
+    op.drop_table('rollup_marks')
     op.drop_table('step_rollups')
     op.drop_table('rollups')

@@ -1,7 +1,9 @@
-"""Rollups kept by the bulk insert equal the aggregation of the raw series, on both backends:
-spikes and NaN survive, a resumed run's re-sent steps replace the earlier incarnation's values,
-the grouped curves hold each group's extremes of the per-step mean over ranks, and the heatmap
-read from rollups is the one read from the raw points."""
+"""Rollups kept by the rollup worker equal the aggregation of the raw series, on both backends:
+spikes and NaN survive, a resumed run's re-sent steps (a late batch for old steps, inside a bucket)
+replace the earlier incarnation's values, the grouped curves hold each group's extremes of the
+per-step mean over ranks, and the heatmap read from rollups is the one read from the raw points.
+Reads are the same while the worker has not caught up (the raw points above its watermark), and
+the worker rolls up what is left when it stops."""
 
 from __future__ import annotations
 
@@ -10,16 +12,18 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from sqlalchemy import Connection, Engine, insert
+from sqlalchemy import Connection, Engine, insert, select
 
 from stepwatch_server.dashboard.heatmap import heatmap, heatmap_from_rollups
 from stepwatch_server.ingest.store import POINT_COLUMNS, PointRow, insert_points
 from stepwatch_server.runs import queries, rollups
+from stepwatch_server.runs.rollup_worker import RollupWorker
 from stepwatch_server.storage import make_engine, upgrade
 from stepwatch_server.storage.models import Point, Run, Series
 
 RANKS = 3
 STEPS = 1024  # steps 0..1023 of incarnation 1 (rank 1 stops at 700), rank 1 resumes at 630
+CATCH_UP_S = 60.0  # the bound on waiting for the worker (it needs well under a second here)
 
 
 @pytest.fixture
@@ -28,6 +32,13 @@ def engine(database_url: str) -> Iterator[Engine]:
     upgrade(engine)
     yield engine
     engine.dispose()
+
+
+@pytest.fixture
+def worker(engine: Engine) -> Iterator[RollupWorker]:
+    worker = RollupWorker(engine).start()
+    yield worker
+    worker.stop()
 
 
 def _assert_rollups_equal_raw(conn: Connection, ids: dict[str, int], all_ranks: bool) -> None:
@@ -45,10 +56,16 @@ def _assert_rollups_equal_raw(conn: Connection, ids: dict[str, int], all_ranks: 
 
 
 def _write(
-    engine: Engine, store: Callable[[Connection, list[PointRow]], None] = insert_points
+    engine: Engine,
+    worker: RollupWorker | None,
+    store: Callable[[Connection, list[PointRow]], None] = insert_points,
+    hand_over_below: int = STEPS,
 ) -> dict[str, int]:
     """One run: loss on 3 ranks with a one-step spike and a NaN, amax every 10th step; rank 1
-    restarts at step 630 (incarnation 2) after reaching 700, its re-sent steps higher by 100."""
+    restarts at step 630 (incarnation 2) after reaching 700, its re-sent steps higher by 100.
+    Each batch's step range goes to `worker` as ingest hands it over (those starting below
+    `hand_over_below` only); the restart's batches are written once the worker caught up, so
+    they are late batches for steps already rolled up."""
     now = dt.datetime.now(dt.UTC)
     with engine.begin() as conn:
         run_id = conn.execute(
@@ -72,11 +89,19 @@ def _write(
             rows += [(ids["fc1"], rank, int(s), 1, 10.0 + rank) for s in steps if s % 10 == 0]
             with engine.begin() as conn:
                 store(conn, rows)
+            if worker is not None and lo < hand_over_below:
+                worker.submit(run_id, lo, int(steps[-1]))
+    if worker is not None:
+        assert worker.wait_idle(CATCH_UP_S)
     for lo in range(630, STEPS, 50):
         steps = np.arange(lo, min(lo + 50, STEPS))
         rows = [(ids["loss"], 1, int(s), 2, 102.0) for s in steps]
         with engine.begin() as conn:
             store(conn, rows)
+        if worker is not None and lo < hand_over_below:
+            worker.submit(run_id, lo, int(steps[-1]))
+    if worker is not None:
+        assert worker.wait_idle(CATCH_UP_S)
     return ids
 
 
@@ -111,9 +136,12 @@ def _rolled(got: rollups.Buckets) -> dict[tuple[int, int], tuple[float, ...]]:
 
 
 @pytest.mark.parametrize("all_ranks", [False, True], ids=["per-rank-bucket", "per-step"])
-def test_rollups_equal_the_raw_aggregation_across_a_restart(engine: Engine, all_ranks: bool) -> None:
-    ids = _write(engine)
+def test_rollups_equal_the_raw_aggregation_across_a_restart(
+    engine: Engine, worker: RollupWorker, all_ranks: bool
+) -> None:
+    ids = _write(engine, worker)
     with engine.connect() as conn:
+        assert rollups.rolled_to(conn, list(ids.values())) == STEPS - 1  # read from the rollup tables
         _assert_rollups_equal_raw(conn, ids, all_ranks)
         # the restart: rank 1's steps 630..1023 are incarnation 2's (102.0), not incarnation 1's (~2)
         rank1 = _rolled(rollups.read(conn, [ids["loss"]], 576, 1023))
@@ -133,8 +161,10 @@ def _raw_means(conn: Connection, sid: int) -> dict[int, float]:
 
 
 @pytest.mark.parametrize("max_points", [2048, 64], ids=["per-step", "grouped"])
-def test_mean_curve_is_the_raw_mean_over_ranks_with_extremes_kept(engine: Engine, max_points: int) -> None:
-    ids = _write(engine)
+def test_mean_curve_is_the_raw_mean_over_ranks_with_extremes_kept(
+    engine: Engine, worker: RollupWorker, max_points: int
+) -> None:
+    ids = _write(engine, worker)
     with engine.connect() as conn:
         raw = _raw_means(conn, ids["loss"])
         steps, values = rollups.across_ranks(conn, [ids["loss"]], None, None, max_points).mean_curve()
@@ -156,8 +186,8 @@ def test_mean_curve_is_the_raw_mean_over_ranks_with_extremes_kept(engine: Engine
     assert pytest.approx((2.0 + 102.0 + 2.0) / 3, abs=0.05) in values.tolist()  # incarnation 2 from 630
 
 
-def test_amax_curve_is_the_max_over_ranks(engine: Engine) -> None:
-    ids = _write(engine)
+def test_amax_curve_is_the_max_over_ranks(engine: Engine, worker: RollupWorker) -> None:
+    ids = _write(engine, worker)
     with engine.connect() as conn:
         groups = rollups.across_ranks(conn, list(ids.values()), 0, 499, 40)
     steps, values = groups.of(ids["fc1"]).peak_curve()
@@ -167,16 +197,10 @@ def test_amax_curve_is_the_max_over_ranks(engine: Engine) -> None:
     assert values.max() == 90.0 and steps[values.argmax()] == 325
 
 
-@pytest.mark.parametrize("mode", ["median", "absolute"])
-@pytest.mark.parametrize("per_column", [1, 2])
-def test_heatmap_from_rollups_equals_the_raw_heatmap(engine: Engine, mode: str, per_column: int) -> None:
-    """Columns of one and of two rollup buckets, the restart's mixed cells included."""
-    ids = _write(engine)
+def _assert_heatmap_equals_raw(conn: Connection, sid: int, mode: str, per_column: int) -> None:
     buckets = -(-STEPS // (rollups.BUCKET_STEPS * per_column))  # columns from step 0, whole buckets
-    with engine.connect() as conn:
-        raw = heatmap(queries.read_points(conn, [ids["loss"]], None, None, None), buckets, mode)
-        last = (STEPS - 1) // rollups.BUCKET_STEPS
-        rolled = heatmap_from_rollups(conn, ids["loss"], 0, last, buckets, mode)
+    raw = heatmap(queries.read_points(conn, [sid], None, None, None), buckets, mode)
+    rolled = heatmap_from_rollups(conn, sid, 0, (STEPS - 1) // rollups.BUCKET_STEPS, buckets, mode)
     assert raw["bucket_steps"] == rolled["bucket_steps"] == rollups.BUCKET_STEPS * per_column
     assert np.array_equal(raw["steps"], rolled["steps"]) and np.array_equal(raw["ranks"], rolled["ranks"])
     matrix = np.array(rolled["values"], dtype=np.float64)  # None (an empty cell) -> nan
@@ -185,12 +209,60 @@ def test_heatmap_from_rollups_equals_the_raw_heatmap(engine: Engine, mode: str, 
     assert (matrix[1][-3:] > 40).all()  # rank 1's incarnation 2 (102.0 against ~2.0), mixed cells included
 
 
+@pytest.mark.parametrize("mode", ["median", "absolute"])
+@pytest.mark.parametrize("per_column", [1, 2])
+def test_heatmap_from_rollups_equals_the_raw_heatmap(
+    engine: Engine, worker: RollupWorker, mode: str, per_column: int
+) -> None:
+    """Columns of one and of two rollup buckets, the restart's mixed cells included."""
+    ids = _write(engine, worker)
+    with engine.connect() as conn:
+        _assert_heatmap_equals_raw(conn, ids["loss"], mode, per_column)
+
+
+@pytest.mark.parametrize("hand_over_below", [0, 500], ids=["nothing-rolled-up", "rolled-up-to-499"])
+def test_reads_are_complete_before_the_worker_caught_up(
+    engine: Engine, worker: RollupWorker, hand_over_below: int
+) -> None:
+    """The worker got only the batches below `hand_over_below`: every view adds the raw points
+    above its watermark (mid-bucket at 499) and equals the raw aggregation all the same."""
+    ids = _write(engine, worker, hand_over_below=hand_over_below)
+    with engine.connect() as conn:
+        assert rollups.rolled_to(conn, list(ids.values())) == hand_over_below - 1
+        _assert_rollups_equal_raw(conn, ids, False)
+        _assert_rollups_equal_raw(conn, ids, True)
+        raw = _raw_means(conn, ids["loss"])
+        steps, values = rollups.across_ranks(conn, [ids["loss"]], None, None, 2048).mean_curve()
+        assert steps.tolist() == sorted(raw)
+        assert np.allclose(values, [raw[s] for s in steps.tolist()], equal_nan=True)
+        steps, values = rollups.across_ranks(conn, [ids["loss"]], None, None, 64).mean_curve()
+        assert pytest.approx((2.0 + 102.0 + 2.0) / 3, abs=0.05) in values.tolist()  # the raw tail's restart
+        _assert_heatmap_equals_raw(conn, ids["loss"], "median", 2)
+        assert rollups.step_range(conn, [ids["loss"]], None, None) == (0, STEPS - 1, 3 * STEPS - 324 + 394)
+
+
+def test_the_worker_rolls_up_what_is_left_when_it_stops(engine: Engine) -> None:
+    ids = _write(engine, None)
+    worker = RollupWorker(engine)
+    with engine.connect() as conn:
+        run_id = conn.execute(select(Series.run_id).where(Series.id == ids["loss"])).scalar_one()
+    worker.submit(run_id, 0, STEPS - 1)  # handed over before the thread runs its first round
+    worker.start()
+    worker.stop()
+    assert not worker.running and worker.stats()["dirty_runs"] == 0
+    with engine.connect() as conn:
+        assert rollups.rolled_to(conn, list(ids.values())) == STEPS - 1
+        _assert_rollups_equal_raw(conn, ids, False)
+        _assert_rollups_equal_raw(conn, ids, True)
+
+
 def test_the_migration_rolls_up_the_values_already_stored(database_url: str) -> None:
     engine = make_engine(database_url)
     try:
         upgrade(engine, "0002")  # before the rollups: values stored without them
         ids = _write(
             engine,
+            None,
             lambda conn, rows: conn.execute(
                 insert(Point), [dict(zip(POINT_COLUMNS, r, strict=True)) for r in rows]
             ),

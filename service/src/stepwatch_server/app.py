@@ -2,8 +2,8 @@
 
 The lifespan owns the database engine and the detection worker: it creates the engine, applies the
 migrations, builds the batch writer, starts the detection worker (detect/worker.py) unless
-`settings.detection` is off, and at shutdown stops the worker (draining it within its deadline)
-before disposing of the engine.
+`settings.detection` is off, and the rollup worker (runs/rollup_worker.py); at shutdown it stops
+the workers (draining them within their deadlines) before disposing of the engine.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from stepwatch_server.errors import ServiceUnavailable, install_error_handlers
 from stepwatch_server.ingest.routes import router as ingest_router
 from stepwatch_server.ingest.store import BatchWriter
 from stepwatch_server.responses import json_response
+from stepwatch_server.runs.rollup_worker import RollupWorker
 from stepwatch_server.runs.routes import router as runs_router
 from stepwatch_server.settings import Settings
 from stepwatch_server.storage import make_engine, upgrade
@@ -48,6 +49,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.engine = engine
             app.state.writer = BatchWriter(engine)
             app.state.live = live.LiveFeed(engine, app.state.stopping)
+            app.state.rollups = RollupWorker(engine).start()
             if settings.detection:
                 overrides = settings.detection_overrides
                 app.state.detection = DetectionWorker(engine, EngineSettings(overrides=overrides)).start()
@@ -65,6 +67,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if worker is not None:
                 await run_in_threadpool(worker.stop)
                 app.state.detection = None
+            rollup_worker = getattr(app.state, "rollups", None)
+            if rollup_worker is not None:
+                await run_in_threadpool(rollup_worker.stop)
+                app.state.rollups = None
             engine.dispose()
 
     app = FastAPI(
@@ -88,6 +94,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.detection = None
+    app.state.rollups = None
     app.state.stopping = threading.Event()  # set by serving.py as shutdown begins: endless responses end
     install_error_handlers(app)
     app.include_router(ingest_router)

@@ -196,6 +196,18 @@ class StepRollup(RollupStats, Base):
     incarnation: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
 
 
+class RollupMark(Base):
+    """Per run: the highest step whose values the rollups hold (runs/rollup_worker.py). Reads take
+    rollups up to it and the raw points above it."""
+
+    __tablename__ = "rollup_marks"
+
+    run_id: Mapped[int] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True, autoincrement=False
+    )
+    rolled_to: Mapped[int] = mapped_column(BigInteger)
+
+
 class StepRecord(Base):
     """When a rank finished a step (event time, Unix seconds), once per step and incarnation."""
 
