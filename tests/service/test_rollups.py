@@ -8,9 +8,12 @@ the worker rolls up what is left when it stops."""
 from __future__ import annotations
 
 import datetime as dt
+import time
+import uuid
 from collections.abc import Callable, Iterator
 
 import numpy as np
+import orjson
 import pytest
 from sqlalchemy import Connection, Engine, insert, select
 
@@ -19,7 +22,8 @@ from stepwatch_server.ingest.store import POINT_COLUMNS, PointRow, insert_points
 from stepwatch_server.runs import queries, rollups
 from stepwatch_server.runs.rollup_worker import RollupWorker
 from stepwatch_server.storage import make_engine, upgrade
-from stepwatch_server.storage.models import Point, Run, Series
+from stepwatch_server.storage.models import Point, Run, Series, StepRollup
+from tests.service.conftest import Collector, steps_batch
 
 RANKS = 3
 STEPS = 1024  # steps 0..1023 of incarnation 1 (rank 1 stops at 700), rank 1 resumes at 630
@@ -273,3 +277,30 @@ def test_the_migration_rolls_up_the_values_already_stored(database_url: str) -> 
             _assert_rollups_equal_raw(conn, ids, True)
     finally:
         engine.dispose()
+
+
+def test_the_collector_rolls_up_what_ingest_stored(database_url: str) -> None:
+    """Through HTTP: ingest hands each committed batch's steps to the collector's own worker, which
+    rolls them up (two ranks' batches of the same steps: each step's rollup holds both)."""
+    collector = Collector(database_url)
+    engine = make_engine(database_url)
+    try:
+        session = [uuid.uuid4().hex, uuid.uuid4().hex]
+        for rank, value in ((0, 1.0), (1, 3.0)):
+            batch = steps_batch("http", session[rank], 0, [0, 1, 2], rank, 2, loss=[value] * 3)
+            assert collector.post(orjson.dumps(batch)).status_code == 200
+        deadline = time.monotonic() + CATCH_UP_S
+        with engine.connect() as conn:
+            sid = conn.execute(select(Series.id).where(Series.name == "loss")).scalar_one()
+        while time.monotonic() < deadline:
+            with engine.connect() as conn:
+                got = conn.execute(select(StepRollup.step, StepRollup.n, StepRollup.total)).all()
+            if len(got) == 3 and all(n == 2 for _, n, _ in got):
+                break
+            time.sleep(0.05)
+        assert sorted(got) == [(0, 2, 4.0), (1, 2, 4.0), (2, 2, 4.0)]
+        with engine.connect() as conn:
+            assert rollups.rolled_to(conn, [sid]) == 2
+    finally:
+        engine.dispose()
+        collector.close()
