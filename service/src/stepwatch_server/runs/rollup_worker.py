@@ -2,8 +2,10 @@
 
 Ingest hands it `(run_id, first step, last step)` of every stored batch right after the commit
 (the ingest route's `_after_commit`); `submit` only widens that run's dirty range under a lock and
-returns, so ingest never waits and never touches a shared rollup row. About every
-`ROUND_INTERVAL_S` the thread takes the dirty ranges and recomputes each from the raw points
+returns, so ingest never waits and never touches a shared rollup row. Every `ROUND_INTERVAL_S` the
+thread takes the dirty ranges that are due (no new batch for `QUIET_S`, or dirty for `MAX_LAG_S`:
+while every rank keeps sending the same steps, re-reading them each round would cost more than
+ingest itself) and recomputes each from the raw points
 (`rollups.roll_up`: a DELETE and an INSERT ... SELECT ... GROUP BY per table and run, then the run's
 watermark), one short write transaction per run. A range wider than `MAX_STEPS_PER_ROUND` is done
 in slices, one per round (the rest stays dirty), so a backlog never holds the write lock long.
@@ -16,8 +18,10 @@ At stop the thread rolls up what is dirty for at most `STOP_DEADLINE_S`.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
+from dataclasses import dataclass
 
 from sqlalchemy import Engine
 
@@ -27,9 +31,19 @@ from stepwatch_server.storage.engine import write_transaction
 log = logging.getLogger(__name__)
 
 ROUND_INTERVAL_S = 0.5
+QUIET_S = 0.5  # a run's range is rolled up once no batch widened it for this long ...
+MAX_LAG_S = 3.0  # ... or once it has been dirty this long
 MAX_STEPS_PER_ROUND = 32 * BUCKET_STEPS  # per run and round: the longest range one transaction rolls up
 STOP_DEADLINE_S = 5.0
 BACKLOG_PAUSE_S = 0.02  # between the slices of a long range, so ingest's writes get the lock
+
+
+@dataclass(slots=True)
+class _Dirty:
+    first: int
+    last: int
+    since: float  # monotonic time it became dirty (-inf: due at once)
+    touched: float  # monotonic time of the last hand-over
 
 
 class RollupWorker:
@@ -37,7 +51,8 @@ class RollupWorker:
 
     def __init__(self, engine: Engine) -> None:
         self.db = engine
-        self._dirty: dict[int, tuple[int, int]] = {}  # run id -> (first step, last step)
+        self._dirty: dict[int, _Dirty] = {}  # run id -> its steps not rolled up yet
+        self._force = False  # the next round takes every dirty range (wait_idle, stop)
         self._lock = threading.Lock()
         self._wake = threading.Event()  # a round is due now (stop, flush)
         self._stop = threading.Event()
@@ -75,13 +90,17 @@ class RollupWorker:
     # -- the ingest side ------------------------------------------------------------------------
     def submit(self, run_id: int, first_step: int, last_step: int) -> None:
         """Mark steps first..last of run `run_id` as changed (stored and committed)."""
+        self._widen(run_id, first_step, last_step, time.monotonic())
+
+    def _widen(self, run_id: int, first_step: int, last_step: int, since: float) -> None:
+        now = time.monotonic()
         with self._lock:
             known = self._dirty.get(run_id)
-            self._dirty[run_id] = (
-                (first_step, last_step)
-                if known is None
-                else (min(known[0], first_step), max(known[1], last_step))
-            )
+            if known is None:
+                self._dirty[run_id] = _Dirty(first_step, last_step, since, now)
+            else:
+                known.first, known.last = min(known.first, first_step), max(known.last, last_step)
+                known.since, known.touched = min(known.since, since), now
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait (at most `timeout_s`) until everything submitted so far is rolled up; True if it is."""
@@ -90,6 +109,7 @@ class RollupWorker:
             with self._lock:
                 if not self._dirty and not self._busy:
                     return True
+                self._force = True
             self._wake.set()
             time.sleep(0.01)
         with self._lock:
@@ -109,8 +129,17 @@ class RollupWorker:
             self._round()
 
     def _round(self) -> None:
+        now = time.monotonic()
         with self._lock:
-            todo, self._dirty = self._dirty, {}
+            force, self._force = self._force or self._stop.is_set(), False
+            due = [
+                run_id
+                for run_id, d in self._dirty.items()
+                if force or now - d.touched >= QUIET_S or now - d.since >= MAX_LAG_S
+            ]
+            todo = {run_id: (self._dirty[run_id].first, self._dirty[run_id].last) for run_id in due}
+            for run_id in due:
+                del self._dirty[run_id]
             self._busy = bool(todo)
         failed = backlog = False
         for run_id, (first, last) in sorted(todo.items()):
@@ -123,7 +152,7 @@ class RollupWorker:
             else:
                 self.rolled_ranges += 1
             if upto < last:
-                self.submit(run_id, upto + 1, last)
+                self._widen(run_id, upto + 1, last, -math.inf)  # due again at once
                 backlog = True
         with self._lock:
             self._busy = False
