@@ -246,14 +246,16 @@ def test_reads_are_complete_before_the_worker_caught_up(
 
 
 def test_the_worker_rolls_up_what_is_left_when_it_stops(engine: Engine) -> None:
+    """In slices: 6 values per step (2 series x 3 ranks), at most 768 per transaction = 2 buckets."""
     ids = _write(engine, None)
-    worker = RollupWorker(engine)
+    worker = RollupWorker(engine, max_values_per_round=6 * 2 * rollups.BUCKET_STEPS)
     with engine.connect() as conn:
         run_id = conn.execute(select(Series.run_id).where(Series.id == ids["loss"])).scalar_one()
     worker.submit(run_id, 0, STEPS - 1)  # handed over before the thread runs its first round
     worker.start()
     worker.stop()
     assert not worker.running and worker.stats()["dirty_runs"] == 0
+    assert worker.stats()["rolled_ranges"] == STEPS // (2 * rollups.BUCKET_STEPS)
     with engine.connect() as conn:
         assert rollups.rolled_to(conn, list(ids.values())) == STEPS - 1
         _assert_rollups_equal_raw(conn, ids, False)

@@ -7,8 +7,9 @@ thread takes the dirty ranges that are due (no new batch for `QUIET_S`, or dirty
 while every rank keeps sending the same steps, re-reading them each round would cost more than
 ingest itself) and recomputes each from the raw points
 (`rollups.roll_up`: a DELETE and an INSERT ... SELECT ... GROUP BY per table and run, then the run's
-watermark), one short write transaction per run. A range wider than `MAX_STEPS_PER_ROUND` is done
-in slices, one per round (the rest stays dirty), so a backlog never holds the write lock long.
+watermark), one short write transaction per run. A range of more than about `MAX_VALUES_PER_ROUND`
+values (series x ranks x steps) is done in slices of whole 64-step buckets, one transaction each
+(the rest stays dirty, due at once), so a backlog never holds the write lock long.
 Reads take the raw points above the watermark, so a view is complete while the worker lags.
 
 A run whose rollups fail to write stays dirty and is retried the next round (logged once, counted).
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import Engine
 
-from stepwatch_server.runs.rollups import BUCKET_STEPS, roll_up
+from stepwatch_server.runs.rollups import roll_up
 from stepwatch_server.storage.engine import write_transaction
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 ROUND_INTERVAL_S = 0.5
 QUIET_S = 0.5  # a run's range is rolled up once no batch widened it for this long ...
 MAX_LAG_S = 3.0  # ... or once it has been dirty this long
-MAX_STEPS_PER_ROUND = 32 * BUCKET_STEPS  # per run and round: the longest range one transaction rolls up
+MAX_VALUES_PER_ROUND = 2_000_000  # per run and transaction: about the most values one roll-up reads
 STOP_DEADLINE_S = 5.0
 BACKLOG_PAUSE_S = 0.02  # between the slices of a long range, so ingest's writes get the lock
 
@@ -49,8 +50,9 @@ class _Dirty:
 class RollupWorker:
     """Dirty step ranges per run in, rollups recomputed on one thread. `submit` never blocks."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, max_values_per_round: int = MAX_VALUES_PER_ROUND) -> None:
         self.db = engine
+        self.max_values_per_round = max_values_per_round
         self._dirty: dict[int, _Dirty] = {}  # run id -> its steps not rolled up yet
         self._force = False  # the next round takes every dirty range (wait_idle, stop)
         self._lock = threading.Lock()
@@ -145,7 +147,7 @@ class RollupWorker:
         for run_id, (first, last) in sorted(todo.items()):
             try:
                 with write_transaction(self.db) as conn:
-                    upto = roll_up(conn, run_id, first, last, MAX_STEPS_PER_ROUND)
+                    upto = roll_up(conn, run_id, first, last, self.max_values_per_round)
             except Exception:
                 self._failed(run_id)
                 upto, failed = first - 1, True  # the whole range stays dirty

@@ -122,12 +122,13 @@ def run_ranks(conn: Connection, run_ids: list[int]) -> list[int] | None:
 
 
 def roll_up(
-    conn: Connection, run_id: int, first_step: int, last_step: int, max_steps: int = _NO_LIMIT
+    conn: Connection, run_id: int, first_step: int, last_step: int, max_values: int = _NO_LIMIT
 ) -> int:
-    """Recompute run `run_id`'s rollups of the whole buckets holding steps first..last (at most
-    `max_steps` steps from the first bucket) from the raw points: a DELETE and an INSERT ... SELECT
-    ... GROUP BY per table. Then raise the run's watermark to the last step done, and return it.
-    Call inside a write transaction.
+    """Recompute run `run_id`'s rollups of the whole buckets holding steps first..last from the raw
+    points: a DELETE and an INSERT ... SELECT ... GROUP BY per table. Only as many whole buckets
+    from the first as hold about `max_values` values (series x ranks x steps; at least one bucket)
+    are done. Then raise the run's watermark to the last step done, and return it. Call inside a
+    write transaction.
 
     The watermark only ever moves over steps that were rolled up: a range that starts above it
     starts at it instead (the steps between were never handed over, e.g. a collector stopped
@@ -138,10 +139,11 @@ def roll_up(
         mark = min(first_step, int(started.scalar() or first_step)) - 1
     first_step = min(first_step, mark + 1)
     first = first_step // BUCKET_STEPS * BUCKET_STEPS
-    last_step = min(last_step, first + max_steps - 1)
     ids = conn.execute(select(Series.id).where(Series.run_id == run_id)).scalars().all()
+    ranks = run_ranks(conn, [run_id])
+    per_bucket = BUCKET_STEPS * max(1, len(ids)) * (MAX_RANK_LIST if ranks is None else max(1, len(ranks)))
+    last_step = min(last_step, first + max(1, max_values // per_bucket) * BUCKET_STEPS - 1)
     if ids:
-        ranks = run_ranks(conn, [run_id])
         params: dict[str, Any] = {
             "ids": list(ids),
             "first": first,
