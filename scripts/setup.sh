@@ -17,4 +17,11 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 echo "stepwatch setup: installing stepwatch (agent), stepwatch-server (collector) and test tools"
 .venv/bin/pip install -q -r requirements/dev.txt -e agent -e service
+# The built-in dashboard: web/ (pinned by package-lock.json) built into the collector's package.
+if command -v npm >/dev/null 2>&1; then
+  echo "stepwatch setup: building the dashboard (web/: npm ci, npm run build)"
+  (cd web && npm ci --no-audit --no-fund --loglevel=error && npm run build --silent)
+else
+  echo "stepwatch setup: npm not found: the dashboard is not built (install Node.js 20.19+ and run setup again)" >&2
+fi
 echo "stepwatch setup: done (.venv/bin/stepwatch-server)"

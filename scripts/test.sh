@@ -14,6 +14,10 @@ if ! command -v promtool >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
   [ -z "$policy_added" ] || rm -f /usr/sbin/policy-rc.d
   service prometheus stop >/dev/null 2>&1 || true
 fi
+# The dashboard's browser tests (tests/web) drive Debian's Chromium.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+fi
 echo "== ruff"; .venv/bin/ruff check . && .venv/bin/ruff format --check .
 echo "== mypy"; .venv/bin/mypy
 echo "== pytest"; .venv/bin/python -m pytest "$@"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from stepwatch_server.runs.downsample import downsample, mean_over_ranks, minmax_indices
+from stepwatch_server.runs.downsample import downsample, minmax_indices
 
 
 def test_short_series_is_untouched() -> None:
@@ -28,10 +28,3 @@ def test_every_bucket_keeps_its_min_and_max() -> None:
     keep = minmax_indices(values, 100)
     assert 2 < len(keep) <= 100
     assert values[keep].max() == values.max() and values[keep].min() == values.min()
-
-
-def test_mean_over_ranks() -> None:
-    steps, mean = mean_over_ranks(
-        [np.array([1, 2, 3]), np.array([2, 3])], [np.array([1.0, 2.0, 3.0]), np.array([4.0, 5.0])]
-    )
-    assert steps.tolist() == [1, 2, 3] and mean.tolist() == [1.0, 3.0, 4.0]

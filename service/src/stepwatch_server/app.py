@@ -1,9 +1,9 @@
 """`create_app()`: the collector as an ASGI application.
 
-The lifespan owns the database engine and the detection worker: it creates the engine, applies the
-migrations, builds the batch writer, starts the detection worker (detect/worker.py) unless
-`settings.detection` is off, and at shutdown stops the worker (draining it within its deadline)
-before disposing of the engine.
+The lifespan owns the database engine and the workers: it creates the engine, applies the
+migrations, builds the batch writer, starts the rollup worker (runs/rollup_worker.py) and the
+detection worker (detect/worker.py) unless `settings.detection` is off, and at shutdown stops the
+workers (draining them within their deadlines) before disposing of the engine.
 
 With `settings.alerts`, it also starts the alert worker (alerts/worker.py) before the detection
 worker, whose store then records alert events in each anomaly transaction; at shutdown the alert
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -23,6 +24,7 @@ from starlette.responses import Response
 
 from stepwatch_server.alerts.routes import router as alerts_router
 from stepwatch_server.alerts.worker import AlertWorker
+from stepwatch_server.dashboard.routes import router as dashboard_router
 from stepwatch_server.detect.engine import EngineSettings
 from stepwatch_server.detect.routes import router as detect_router
 from stepwatch_server.detect.worker import DetectionWorker
@@ -31,9 +33,11 @@ from stepwatch_server.ingest.routes import router as ingest_router
 from stepwatch_server.ingest.store import BatchWriter
 from stepwatch_server.metrics import router as metrics_router
 from stepwatch_server.responses import json_response
+from stepwatch_server.runs.rollup_worker import RollupWorker
 from stepwatch_server.runs.routes import router as runs_router
 from stepwatch_server.settings import Settings
 from stepwatch_server.storage import make_engine, upgrade
+from stepwatch_server.web import live, pages
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -55,6 +59,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 app.state.alerts = AlertWorker(engine, settings.alerts).start()
                 if not settings.detection:
                     log.warning("alerts are configured but detection is off: nothing will be alerted")
+            app.state.live = live.LiveFeed(engine, app.state.stopping)
+            app.state.rollups = RollupWorker(engine).start()
             if settings.detection:
                 overrides = settings.detection_overrides
                 on_stored = app.state.alerts.on_stored if app.state.alerts is not None else None
@@ -68,6 +74,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             )
             yield
         finally:
+            feed = getattr(app.state, "live", None)
+            if feed is not None:
+                await feed.close()
             worker = getattr(app.state, "detection", None)
             if worker is not None:
                 await run_in_threadpool(worker.stop)
@@ -75,6 +84,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if app.state.alerts is not None:
                 await run_in_threadpool(app.state.alerts.stop)
                 app.state.alerts = None
+            rollup_worker = getattr(app.state, "rollups", None)
+            if rollup_worker is not None:
+                await run_in_threadpool(rollup_worker.stop)
+                app.state.rollups = None
             engine.dispose()
 
     app = FastAPI(
@@ -91,14 +104,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             },
             {"name": "alerts", "description": "Alert deliveries to Slack and webhooks (docs/alerts.md)."},
             {"name": "health", "description": "Liveness and database reachability."},
+            {
+                "name": "dashboard",
+                "description": "What the built-in web dashboard reads (also live, as events).",
+            },
         ],
     )
     app.state.settings = settings
     app.state.detection = None
     app.state.alerts = None
+    app.state.rollups = None
+    app.state.stopping = threading.Event()  # set by serving.py as shutdown begins: endless responses end
     install_error_handlers(app)
     app.include_router(ingest_router)
     app.include_router(detect_router)  # before runs: `/runs/{run:path}` would take `/runs/x/anomalies`
+    app.include_router(dashboard_router)  # before runs, for the same reason
+    app.include_router(live.router)
+    app.include_router(pages.router)
+    pages.mount_static(app)
     app.include_router(runs_router)
     app.include_router(metrics_router)  # GET /metrics (Prometheus)
     app.include_router(alerts_router)

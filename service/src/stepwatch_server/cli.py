@@ -44,6 +44,17 @@ def _add_alerts_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _kinds(value: str) -> list[str]:
+    """`--inject`: one anomaly kind or several, comma-separated (`straggler,loss_spike`)."""
+    kinds = [k.strip() for k in value.split(",") if k.strip()]
+    for kind in kinds:
+        if kind not in KINDS:
+            raise argparse.ArgumentTypeError(f"invalid choice: {kind!r} (choose from {', '.join(KINDS)})")
+    if not kinds or len(set(kinds)) != len(kinds):
+        raise argparse.ArgumentTypeError(f"expected distinct kinds separated by commas, got {value!r}")
+    return kinds
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stepwatch-server", description="The stepwatch collector.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -54,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo",
         help="run the collector and a real multi-rank CPU training run (torch.distributed, gloo) feeding it; "
-        "or, with --inject KIND, a simulated run with that fault",
+        "or, with --inject KIND[,KIND...], a simulated run with those faults",
     )
     _add_server_options(demo)
     demo.add_argument("--ranks", type=int, default=4, help="training processes (default %(default)s)")
@@ -70,11 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--inject",
-        choices=KINDS,
+        type=_kinds,
         default=None,
-        metavar="KIND",
-        help="instead of training, feed the simulator's scenario with this fault over HTTP and print the "
-        f"anomalies found; KIND is one of: {', '.join(KINDS)}",
+        metavar="KIND[,KIND...]",
+        help="instead of training, feed the simulator's scenario with this fault (several, comma-separated: "
+        "one run with all of them) over HTTP and print the anomalies found; KIND is one of: "
+        f"{', '.join(KINDS)}",
     )
     demo.add_argument(
         "--exit-when-done",
@@ -157,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             settings,
             host=args.host,
             port=args.port,
-            kind=args.inject,
+            kinds=args.inject,
             run=args.run,
             steps=args.steps,
             keep_serving=not args.exit_when_done,

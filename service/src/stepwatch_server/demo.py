@@ -5,7 +5,7 @@ gloo backend, a small MLP wrapped in DistributedDataParallel on the CPU, each ra
 one-line `stepwatch.attach`. It needs torch and the `stepwatch` agent (installed by scripts/setup.sh).
 
 `demo --inject KIND` replaces the training run with the simulator's scenario for that kind
-(`simulate.DEMO_BY_KIND`): its batches go to the collector over real HTTP (gzip JSON POSTs to
+(`simulate.DEMO_BY_KIND`; `--inject straggler,loss_spike`: one run holding both faults): its batches go to the collector over real HTTP (gzip JSON POSTs to
 /api/v1/ingest on loopback), as fast as the collector takes them. Detection runs on event time (the
 records' own timestamps), so the anomalies are the ones a live run would have produced; the demo
 waits for the detection worker to finish and prints them.
@@ -24,12 +24,14 @@ import sys
 import time
 import urllib.parse
 import uuid
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import orjson
 
 from stepwatch_server.serving import BackgroundServer
 from stepwatch_server.settings import Settings
+from stepwatch_server.simulate import DEMO_BY_KIND, SCENARIOS, Scenario, Simulation
 
 EVAL_EVERY_STEPS = 500
 EVAL_PAUSE_S = 1.0
@@ -115,6 +117,7 @@ def run_demo(
     print(f"stepwatch demo: training run {run!r}: {ranks} ranks x {steps} steps (gloo, DDP, CPU)", flush=True)
     print("stepwatch demo: look at", flush=True)
     for path in (
+        "/",
         "/api/v1/runs",
         f"/api/v1/runs/{run}/ranks",
         f"/api/v1/runs/{run}/series?metric=loss&rank=all",
@@ -151,7 +154,7 @@ INJECT_TIMEOUT_S = 600.0  # the whole scenario, sent and detected
 DETECTION_WAIT_S = 120.0  # for the detection worker to catch up after the last batch
 
 
-class _Client:
+class Client:
     """One keep-alive HTTP connection to the collector (stdlib only)."""
 
     def __init__(self, base: str) -> None:
@@ -167,8 +170,15 @@ class _Client:
         return self._request("GET", path, None, {})
 
     def _request(self, method: str, path: str, body: bytes | None, headers: dict[str, str]) -> Any:
-        self._conn.request(method, path, body=body, headers=headers)
-        response = self._conn.getresponse()
+        try:
+            self._conn.request(method, path, body=body, headers=headers)
+            response = self._conn.getresponse()
+        except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+            # The server closed the idle keep-alive connection: reconnect once. Safe for POSTs too,
+            # because ingest is idempotent per (session, seq).
+            self._conn.close()
+            self._conn.request(method, path, body=body, headers=headers)
+            response = self._conn.getresponse()
         data = response.read()
         if response.status != 200:
             raise RuntimeError(
@@ -180,13 +190,50 @@ class _Client:
         self._conn.close()
 
 
-def _scenario(kind: str, steps: int | None) -> tuple[Any, Any]:
-    from stepwatch_server.simulate import DEMO_BY_KIND, SCENARIOS, Simulation
-
-    scenario = SCENARIOS[DEMO_BY_KIND[kind]]
+def inject_scenario(kinds: Sequence[str], steps: int | None = None) -> Scenario:
+    """The simulator's demo scenario for one kind (`simulate.DEMO_BY_KIND`), or for several kinds one
+    run holding all their faults: the largest of their shapes (ranks, steps), so every fault keeps its
+    rank and step. `steps` cuts it short. ValueError when the faults cannot share a run."""
+    chosen = [SCENARIOS[DEMO_BY_KIND[kind]] for kind in kinds]
+    scenario = chosen[0]
+    if len(chosen) > 1:
+        scenario = dataclasses.replace(
+            max(chosen, key=lambda s: (s.world_size, s.steps)),
+            name="+".join(s.name for s in chosen),
+            steps=max(s.steps for s in chosen),
+            faults=tuple(f for s in chosen for f in s.faults),
+            description="; ".join(s.description for s in chosen),
+        )
     if steps is not None:
         scenario = dataclasses.replace(scenario, steps=min(steps, scenario.steps))
-    return scenario, Simulation(scenario)
+    return scenario
+
+
+class Feeder:
+    """Sends a simulated run's batches to a collector as run `run`, with fresh agent session ids (so
+    the same scenario can be fed again); `send()` can be called repeatedly to feed a run in parts."""
+
+    def __init__(self, client: Client, run: str) -> None:
+        self.client = client  # also for reading back: `feeder.client.get(path)`
+        self.run = run
+        self.sent = 0
+        self._sessions: dict[str, str] = {}
+
+    def send(self, batches: Iterable[dict[str, Any]], deadline: float = math.inf) -> int:
+        count = 0
+        for doc in batches:
+            doc["run"] = self.run
+            doc["session"] = self._sessions.setdefault(doc["session"], uuid.uuid4().hex)
+            self.client.post_batch(doc)
+            count += 1
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the scenario took over {INJECT_TIMEOUT_S:.0f} s to send")
+        self.sent += count
+        return count
+
+    def wait_for_detection(self) -> dict[str, Any]:
+        """The detection worker's stats once it has processed (and stored the anomalies of) every batch."""
+        return _wait_for_detection(self.client)
 
 
 def run_inject_demo(
@@ -194,39 +241,38 @@ def run_inject_demo(
     *,
     host: str,
     port: int,
-    kind: str,
+    kinds: Sequence[str],
     run: str | None,
     steps: int | None,
     keep_serving: bool,
 ) -> int:
-    """Feed the simulator's scenario for `kind` to a real collector over HTTP; print what it found."""
+    """Feed the simulator's scenario for `kinds` to a real collector over HTTP; print what it found."""
     if not settings.detection:
         print("stepwatch demo: --inject needs detection on (STEPWATCH_DETECTION is 'off')", file=sys.stderr)
         return 2
-    scenario, sim = _scenario(kind, steps)
-    run = run or f"inject-{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        scenario = inject_scenario(kinds, steps)
+    except ValueError as exc:
+        print(f"stepwatch demo: --inject {','.join(kinds)}: {exc}", file=sys.stderr)
+        return 2
+    label = "+".join(kinds)
+    run = run or f"inject-{label}-{time.strftime('%Y%m%d-%H%M%S')}"
     server = BackgroundServer(settings, host=host, port=port).start()
     base = server.url
-    client = _Client(base)
+    client = Client(base)
     print(f"stepwatch demo: collector on {base} (database {settings.redacted_database_url})", flush=True)
     print(
-        f"stepwatch demo: injecting {kind}: scenario {scenario.name!r} ({scenario.world_size} ranks x "
-        f"{scenario.steps} steps: {scenario.description}) as run {run!r}",
+        f"stepwatch demo: injecting {', '.join(kinds)}: scenario {scenario.name!r} ({scenario.world_size} "
+        f"ranks x {scenario.steps} steps: {scenario.description}) as run {run!r}",
         flush=True,
     )
-    sessions: dict[str, str] = {}  # the scenario's session ids -> fresh ones (the demo can be re-run)
+    print(f"stepwatch demo: watch it live on the dashboard: {base}/run/{urllib.parse.quote(run)}", flush=True)
+    feeder = Feeder(client, run)
     started = time.monotonic()
-    sent = 0
     try:
-        for doc in sim:
-            doc["run"] = run
-            doc["session"] = sessions.setdefault(doc["session"], uuid.uuid4().hex)
-            client.post_batch(doc)
-            sent += 1
-            if time.monotonic() - started > INJECT_TIMEOUT_S:
-                raise RuntimeError(f"the scenario took over {INJECT_TIMEOUT_S:.0f} s to send")
-        print(f"stepwatch demo: {sent} batches sent in {time.monotonic() - started:.1f} s", flush=True)
-        stats = _wait_for_detection(client)
+        feeder.send(Simulation(scenario), deadline=started + INJECT_TIMEOUT_S)
+        print(f"stepwatch demo: {feeder.sent} batches sent in {time.monotonic() - started:.1f} s", flush=True)
+        stats = feeder.wait_for_detection()
         anomalies = client.get(f"/api/v1/runs/{urllib.parse.quote(run)}/anomalies")["anomalies"]
     except Exception as exc:  # the collector failed or is too slow: say so and stop
         print(f"stepwatch demo: {exc}", file=sys.stderr, flush=True)
@@ -242,11 +288,13 @@ def run_inject_demo(
     print(f"stepwatch demo: {len(anomalies)} anomalies found in run {run!r}:", flush=True)
     for a in sorted(anomalies, key=lambda a: (a["first_step"], a["kind"])):
         print(f"    {a['kind']:<18} {a['severity']:<8} {a['status']:<8} {a['summary']}", flush=True)
-    if not any(a["kind"] == kind for a in anomalies):
-        print(f"stepwatch demo: no {kind} anomaly was found", flush=True)
+    for kind in kinds:
+        if not any(a["kind"] == kind for a in anomalies):
+            print(f"stepwatch demo: no {kind} anomaly was found", flush=True)
     quoted = urllib.parse.quote(run)
     print("stepwatch demo: look at", flush=True)
     for path in (
+        f"/run/{quoted}",
         f"/api/v1/runs/{quoted}/anomalies",
         f"/api/v1/runs/{quoted}/health",
         "/api/v1/anomalies?status=open",
@@ -258,7 +306,7 @@ def run_inject_demo(
     return _finish(server, keep_serving)
 
 
-def _wait_for_detection(client: _Client) -> dict[str, Any]:
+def _wait_for_detection(client: Client) -> dict[str, Any]:
     deadline = time.monotonic() + DETECTION_WAIT_S
     while True:
         stats: dict[str, Any] = client.get("/api/v1/detection")

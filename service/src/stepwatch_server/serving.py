@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 
@@ -19,17 +20,29 @@ def _config(settings: Settings, host: str, port: int) -> uvicorn.Config:
     return uvicorn.Config(create_app(settings), host=host, port=port, log_level="warning", access_log=False)
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, which tells the app when shutdown begins (`app.state.stopping`): uvicorn waits
+    for open responses to finish before the lifespan ends, so endless ones (the dashboard's event
+    stream) must learn of it to end."""
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        stopping = getattr(getattr(self.config.app, "state", None), "stopping", None)
+        if stopping is not None:
+            stopping.set()
+        await super().shutdown(sockets)
+
+
 def serve_forever(settings: Settings, *, host: str, port: int) -> None:
     """Serve until interrupted (Ctrl-C / SIGTERM)."""
     log.info("stepwatch collector on http://%s:%d (database %s)", host, port, settings.redacted_database_url)
-    uvicorn.Server(_config(settings, host, port)).run()
+    _Server(_config(settings, host, port)).run()
 
 
 class BackgroundServer:
     """A real uvicorn server on a thread: `start()` returns once it accepts connections."""
 
     def __init__(self, settings: Settings, *, host: str = "127.0.0.1", port: int = 0) -> None:
-        self._server = uvicorn.Server(_config(settings, host, port))
+        self._server = _Server(_config(settings, host, port))
         self._thread = threading.Thread(target=self._server.run, name="stepwatch-server", daemon=True)
         self.host = host
         self.port = port

@@ -114,7 +114,7 @@ def all_anomalies(
     return json_response({"anomalies": [_shape(r, r.run_name) for r in rows]})
 
 
-def _verdict(severities: list[str]) -> str:
+def verdict(severities: list[str]) -> str:
     worst = max((SEVERITIES.index(s) for s in severities if s in SEVERITIES), default=0)
     return VERDICTS[worst]  # info -> ok, warning -> warning, critical -> critical
 
@@ -153,14 +153,14 @@ def health(conn: Connection, run: str) -> dict[str, Any]:
         {
             "rank": r,
             "node": nodes.get(r),
-            "verdict": _verdict([a.severity for a in applied]),
+            "verdict": verdict([a.severity for a in applied]),
             "reasons": [_reason(a) for a in applied],
         }
         for r, applied in enumerate(by_rank)
     ]
     return {
         "run": found.name,
-        "verdict": _verdict([a.severity for a in rows]),
+        "verdict": verdict([a.severity for a in rows]),
         "reasons": [_reason(a) for a in rows],
         "open": len(rows),
         "ranks": ranks,

@@ -105,12 +105,14 @@ async def read_body_bounded(request: Request, limit: int) -> bytes:
 
 def _after_commit(request: Request, batch: Batch, result: IngestResult) -> None:
     """Stored batches leave ingest here: to the detection worker's queue (never blocks; a full queue
-    drops the batch for detection only). A duplicate is not re-fed; a batch with only steps or a
+    drops the batch for detection only), and their run and step range to the rollup worker. A duplicate is not re-fed; a batch with only steps or a
     heartbeat is, because that is how hangs are told apart."""
     worker = request.app.state.detection
     stored = result.rows > 0 or batch.steps.size > 0 or batch.heartbeat is not None
     if worker is not None and not result.duplicate and stored:
         worker.submit(batch, time.monotonic())
+    if request.app.state.rollups is not None and result.steps is not None:  # runs/rollup_worker.py
+        request.app.state.rollups.submit(result.run_id, *result.steps)
 
 
 def _ingest_sync(

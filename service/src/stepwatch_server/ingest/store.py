@@ -59,6 +59,7 @@ class IngestResult:
     run_id: int
     restarted: bool = False  # this batch opened a new incarnation (> 1) of its rank
     duplicate: bool = False  # (session, seq) was stored before: nothing was written
+    steps: tuple[int, int] | None = None  # the first and last step of the values stored (for rollups)
 
     def answer(self) -> dict[str, Any]:
         return {
@@ -94,7 +95,8 @@ def insert_points(conn: Connection, rows: Sequence[PointRow] | Sequence[Mapping[
     This is the statement ingest spends its database time in; benchmarks call it directly to
     measure the storage rate without HTTP, parsing or validation. Rows are tuples in
     POINT_COLUMNS order (dicts keyed by those names are accepted too). A row that already exists
-    is skipped (ON CONFLICT DO NOTHING). PostgreSQL gets one `INSERT ... SELECT FROM unnest(arrays)`
+    is skipped (ON CONFLICT DO NOTHING). The rollups are not touched here: the rollup worker
+    (runs/rollup_worker.py) recomputes them after the commit. PostgreSQL gets one `INSERT ... SELECT FROM unnest(arrays)`
     per chunk (about twice the rate of executemany); SQLite gets the driver's executemany of
     tuples (about twice the rate of SQLAlchemy's per-row parameter processing).
     """
@@ -201,6 +203,7 @@ class BatchWriter:
                     series_ids[(stat, name)], batch.rank, incarnation, batch.tensor_steps, col
                 )
         insert_points(conn, point_rows)
+        value_steps = [a for a in (batch.steps, batch.tensor_steps) if a.size]
 
         if batch.steps.size:
             conn.execute(
@@ -249,6 +252,11 @@ class BatchWriter:
             incarnation=incarnation,
             run_id=run_id,
             restarted=new_session and incarnation > 1,
+            steps=(
+                (min(int(a.min()) for a in value_steps), max(int(a.max()) for a in value_steps))
+                if point_rows
+                else None
+            ),
         )
 
     def _run_id(self, conn: Connection, batch: Batch, now: dt.datetime) -> int:

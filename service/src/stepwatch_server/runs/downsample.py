@@ -32,15 +32,3 @@ def minmax_indices(values: np.ndarray, max_points: int) -> np.ndarray:
 def downsample(steps: np.ndarray, values: np.ndarray, max_points: int) -> tuple[np.ndarray, np.ndarray]:
     keep = minmax_indices(values, max_points)
     return steps[keep], values[keep]
-
-
-def mean_over_ranks(steps: list[np.ndarray], values: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Per step, the mean of the ranks that have a value there (a NaN on one rank makes it NaN)."""
-    if not steps:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64)
-    all_steps = np.concatenate(steps)
-    all_values = np.concatenate(values)
-    unique, inverse = np.unique(all_steps, return_inverse=True)
-    sums = np.bincount(inverse, weights=all_values, minlength=unique.shape[0])
-    counts = np.bincount(inverse, minlength=unique.shape[0])
-    return unique, sums / counts

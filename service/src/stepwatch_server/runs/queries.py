@@ -124,9 +124,15 @@ def series_ids(conn: Connection, run_id: int, stat: str, name: str | None) -> di
 
 
 def read_points(
-    conn: Connection, ids: list[int], rank: int | None, from_step: int | None, to_step: int | None
+    conn: Connection,
+    ids: list[int],
+    rank: int | None,
+    from_step: int | None,
+    to_step: int | None,
+    ranks: list[int] | None = None,
 ) -> list[RankSeries]:
-    """Each (series, rank)'s points in step order, latest incarnation per step."""
+    """Each (series, rank)'s points in step order, latest incarnation per step. Naming the `ranks`
+    (every rank of the run) lets a step range seek the primary key instead of scanning all steps."""
     if not ids:
         return []
     query = select(Point.series_id, Point.rank, Point.step, Point.incarnation, Point.value).where(
@@ -134,6 +140,8 @@ def read_points(
     )
     if rank is not None:
         query = query.where(Point.rank == rank)
+    elif ranks is not None:
+        query = query.where(Point.rank.in_(ranks))
     if from_step is not None:
         query = query.where(Point.step >= from_step)
     if to_step is not None:
@@ -144,10 +152,10 @@ def read_points(
         return []
     sid_col, rank_col, step_col, _inc, value_col = zip(*rows, strict=True)
     sid = np.array(sid_col, dtype=np.int64)
-    ranks = np.array(rank_col, dtype=np.int64)
+    rank_numbers = np.array(rank_col, dtype=np.int64)
     steps = np.array(step_col, dtype=np.int64)
     values = np.array(value_col, dtype=np.float64)  # NULL (SQLite's NaN) -> nan
-    return _split_latest(sid, ranks, steps, values)
+    return _split_latest(sid, rank_numbers, steps, values)
 
 
 def _split_latest(

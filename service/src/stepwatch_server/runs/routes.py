@@ -18,8 +18,8 @@ from starlette.responses import Response
 from stepwatch_server.errors import InvalidBatch, NotFound
 from stepwatch_server.ingest.schema import EVENT_KINDS
 from stepwatch_server.responses import float_list, json_response
-from stepwatch_server.runs import queries
-from stepwatch_server.runs.downsample import DEFAULT_MAX_POINTS, MAX_POINTS_CAP, downsample, mean_over_ranks
+from stepwatch_server.runs import queries, rollups
+from stepwatch_server.runs.downsample import DEFAULT_MAX_POINTS, MAX_POINTS_CAP, downsample
 from stepwatch_server.storage.models import METRIC_STAT
 
 router = APIRouter(prefix="/api/v1", tags=["runs"])
@@ -54,12 +54,8 @@ def _rank_filter(rank: str, allow_mean: bool = True) -> tuple[int | None, bool]:
 
 
 def _shape(
-    series: list[queries.RankSeries], mean: bool, max_points: int, names: dict[int, str] | None = None
+    series: list[queries.RankSeries], max_points: int, names: dict[int, str] | None = None
 ) -> list[dict[str, Any]]:
-    if mean:
-        steps, values = mean_over_ranks([s.steps for s in series], [s.values for s in series])
-        steps, values = downsample(steps, values, max_points)
-        return [{"rank": "mean", "steps": steps, "values": float_list(values)}]
     out = []
     for s in series:
         steps, values = downsample(s.steps, s.values, max_points)
@@ -100,8 +96,12 @@ def get_series(
         available, _ = queries.series_names(conn, found.id)
         shown = ", ".join(available[:30]) or "none yet"
         raise NotFound(f"metric {metric!r} not found in run {run!r}; available: {shown}", field="metric")
+    if mean:  # from the step rollups, grouped in the database (runs/rollups.py)
+        steps, values = rollups.across_ranks(conn, list(ids), from_step, to_step, max_points).mean_curve()
+        shaped = [{"rank": "mean", "steps": steps, "values": float_list(values)}]
+        return json_response({"metric": metric, "series": shaped})
     series = queries.read_points(conn, list(ids), rank_id, from_step, to_step)
-    return json_response({"metric": metric, "series": _shape(series, mean, max_points)})
+    return json_response({"metric": metric, "series": _shape(series, max_points)})
 
 
 @router.get("/runs/{run:path}/tensors", summary="Per-module statistics (amax, grad_norm) per rank")
@@ -116,12 +116,12 @@ def get_tensors(
     max_points: MaxPoints = DEFAULT_MAX_POINTS,
 ) -> Response:
     found = queries.find_run(conn, run)
-    rank_id, mean = _rank_filter(rank, allow_mean=False)
+    rank_id, _ = _rank_filter(rank, allow_mean=False)
     ids = queries.series_ids(conn, found.id, stat, name)
     if name is not None and not ids:
         raise NotFound(f"no {stat!r} statistics for {name!r} in run {run!r}", field="name")
     series = queries.read_points(conn, list(ids), rank_id, from_step, to_step)
-    return json_response({"stat": stat, "series": _shape(series, mean, max_points, names=ids)})
+    return json_response({"stat": stat, "series": _shape(series, max_points, names=ids)})
 
 
 @router.get("/runs/{run:path}/steps", summary="When each rank finished each step (Unix seconds)")

@@ -157,6 +157,57 @@ class Point(Base):
     value: Mapped[float | None] = mapped_column(Double)
 
 
+class RollupStats:
+    """The figures of a rollup row: count, sum, min and max of the finite values, count of the others."""
+
+    n: Mapped[int]
+    total: Mapped[float] = mapped_column(Double)
+    lo: Mapped[float | None] = mapped_column(Double)
+    hi: Mapped[float | None] = mapped_column(Double)
+    nonfinite: Mapped[int]
+
+
+class Rollup(RollupStats, Base):
+    """Per (series, rank, bucket of 64 steps, incarnation): count, sum, min, max of the finite values
+    and the count of non-finite ones (runs/rollups.py)."""
+
+    __tablename__ = "rollups"
+    __table_args__ = ({"sqlite_with_rowid": False},)
+
+    series_id: Mapped[int] = mapped_column(
+        ForeignKey("series.id", ondelete="CASCADE"), primary_key=True, autoincrement=False
+    )
+    rank: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    bucket: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    incarnation: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+
+
+class StepRollup(RollupStats, Base):
+    """Per (series, step, incarnation), over every rank: count, sum, min, max of the finite values
+    and the count of non-finite ones (runs/rollups.py)."""
+
+    __tablename__ = "step_rollups"
+    __table_args__ = ({"sqlite_with_rowid": False},)
+
+    series_id: Mapped[int] = mapped_column(
+        ForeignKey("series.id", ondelete="CASCADE"), primary_key=True, autoincrement=False
+    )
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    incarnation: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+
+
+class RollupMark(Base):
+    """Per run: the highest step whose values the rollups hold (runs/rollup_worker.py). Reads take
+    rollups up to it and the raw points above it."""
+
+    __tablename__ = "rollup_marks"
+
+    run_id: Mapped[int] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True, autoincrement=False
+    )
+    rolled_to: Mapped[int] = mapped_column(BigInteger)
+
+
 class StepRecord(Base):
     """When a rank finished a step (event time, Unix seconds), once per step and incarnation."""
 

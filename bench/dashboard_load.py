@@ -1,0 +1,229 @@
+"""How long the dashboard's run page takes to open on a big run: the API calls it makes, timed.
+
+A run of `--steps` steps x `--ranks` ranks (the issue's target: 100,000 x 512, to open in under 2 s)
+is written straight into a fresh database with the collector's own bulk insert (`insert_points`),
+each chunk handed to the collector's own rollup worker (`RollupWorker`) as ingest hands it over:
+every rank's loss, grad norm, lr, step/forward/data time and allocated memory on every step, the
+amax of `--modules` modules every 10th step, and every step's timestamp, as the agent would send
+them (a straggler and a loss spike included, so the pictures have something to show). The page is
+timed only once the worker has rolled everything up (`rollup_wait_s`: how long that took after
+the last chunk was written). A real
+`stepwatch-server serve` in a child process (it applies the migrations first) then answers the run
+page's calls over loopback HTTP, in the page's two waves: first the run and the overview, then the
+four curves (mean over ranks), the anomalies, the two heatmaps and the amax, all at once, as the
+browser does. `--repeats` opens are timed; the figure is the median wall time of one open, and the
+median time of each call is listed beside it.
+
+    .venv/bin/python bench/dashboard_load.py                              # 100k x 512 on SQLite (long)
+    .venv/bin/python bench/dashboard_load.py --steps 10000 --ranks 64 --backends sqlite,postgresql
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime as dt
+import json
+import statistics
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+for _src in (REPO / "agent" / "src", REPO / "service" / "src"):
+    if _src.is_dir() and str(_src) not in sys.path:
+        sys.path.append(str(_src))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _servers  # noqa: E402
+
+RUN = "bench-dashboard"
+TARGET_S = 2.0
+REQUEST_TIMEOUT_S = 600.0
+AMAX_EVERY = 10
+WRITE_STEPS = 2000  # steps per written chunk (one transaction per rank and chunk)
+METRICS = ("loss", "grad_norm", "lr", "time.step_ms", "time.forward_ms", "time.data_ms", "mem.allocated_mb")
+MAX_POINTS = 1600  # as web/src/run.js asks
+BUCKETS = 240
+
+
+def page_calls(run: str) -> tuple[list[str], list[str]]:
+    """The run page's requests (web/src/run.js), in its two waves."""
+    base = f"/api/v1/runs/{urllib.parse.quote(run)}"
+    first = [base, "/api/v1/dashboard/runs"]
+    second = [f"{base}/series?metric={m}&rank=mean&max_points={MAX_POINTS}" for m in METRICS[:4]]
+    second += [
+        f"{base}/anomalies",
+        f"{base}/heatmap?metric=time.forward_ms&mode=median&buckets={BUCKETS}",
+        f"{base}/heatmap?metric=mem.allocated_mb&mode=absolute&buckets={BUCKETS}",
+        f"{base}/amax?max_points={MAX_POINTS}",
+    ]
+    return first, second
+
+
+def write_run(database_url: str, steps: int, ranks: int, modules: int) -> dict[str, Any]:
+    """The run's rows, written with the collector's bulk insert; returns counts and the time taken."""
+    from sqlalchemy import insert
+
+    from stepwatch_server.ingest.store import insert_points
+    from stepwatch_server.runs.rollup_worker import RollupWorker
+    from stepwatch_server.storage import make_engine
+    from stepwatch_server.storage.models import Rank, Run, Series, StepRecord
+
+    engine = make_engine(database_url)
+    worker = RollupWorker(engine).start()
+    now = dt.datetime.now(dt.UTC)
+    started = time.perf_counter()
+    points = 0
+    with engine.begin() as conn:
+        run_id = conn.execute(
+            insert(Run).values(name=RUN, world_size=ranks, created_at=now, last_seen_at=now).returning(Run.id)
+        ).scalar_one()
+        conn.execute(
+            insert(Rank),
+            [
+                dict(run_id=run_id, rank=r, node=f"gpu-{r // 8:03d}", local_rank=r % 8, world_size=ranks,
+                     replica_group=r, shard=0, num_shards=1, incarnation=1, last_step=steps,
+                     last_seen_at=now)
+                for r in range(ranks)
+            ],
+        )  # fmt: skip
+        names = [("", m) for m in METRICS] + [("amax", f"layers.{i}.mlp.fc1") for i in range(modules)]
+        ids = {
+            name: conn.execute(
+                insert(Series).values(run_id=run_id, stat=stat, name=name).returning(Series.id)
+            ).scalar_one()
+            for stat, name in names
+        }
+    rng = np.random.default_rng(0)
+    t0 = 1_764_427_200.0
+    for lo in range(1, steps + 1, WRITE_STEPS):
+        s = np.arange(lo, min(steps, lo + WRITE_STEPS - 1) + 1, dtype=np.int64)
+        n = s.shape[0]
+        base = {
+            "loss": 2.0 + 8.0 / np.sqrt(s) + np.where((s >= steps // 2) & (s < steps // 2 + 30), 3.0, 0.0),
+            "grad_norm": 1.0 + 4.0 / np.sqrt(s),
+            "lr": np.full(n, 3e-4),
+            "time.step_ms": np.full(n, 400.0),
+            "time.forward_ms": np.full(n, 120.0),
+            "time.data_ms": np.full(n, 15.0),
+            "mem.allocated_mb": 30_000.0 + 0.01 * s,
+        }
+        amax_steps = s[s % AMAX_EVERY == 0]
+        with engine.begin() as conn:
+            for r in range(ranks):
+                rows: list[tuple[int, int, int, int, float]] = []
+                for metric, values in base.items():
+                    v = values * (1.0 + 0.02 * rng.standard_normal(n))
+                    if metric == "time.forward_ms" and r == ranks // 3:
+                        v = v * np.where(s >= steps // 4, 1.3, 1.0)  # the straggler
+                    rows.extend(zip([ids[metric]] * n, [r] * n, s.tolist(), [1] * n, v.tolist(), strict=True))
+                for i in range(modules):
+                    v = (10.0 + i) * (1.0 + 0.05 * rng.standard_normal(amax_steps.shape[0]))
+                    k = amax_steps.shape[0]
+                    sid = ids[f"layers.{i}.mlp.fc1"]
+                    rows.extend(
+                        zip([sid] * k, [r] * k, amax_steps.tolist(), [1] * k, v.tolist(), strict=True)
+                    )
+                insert_points(conn, rows)
+                points += len(rows)
+                conn.execute(
+                    insert(StepRecord),
+                    [
+                        {"run_id": run_id, "rank": r, "step": int(x), "incarnation": 1, "ts": t0 + 0.4 * x}
+                        for x in s
+                    ],
+                )
+        worker.submit(run_id, lo, int(s[-1]))
+        print(
+            f"  written steps {lo}-{int(s[-1])} ({points:,} values, {time.perf_counter() - started:.0f} s)",
+            flush=True,
+        )
+    write_s = time.perf_counter() - started
+    if not worker.wait_idle(REQUEST_TIMEOUT_S):
+        raise RuntimeError(f"the rollup worker did not catch up in {REQUEST_TIMEOUT_S:.0f} s")
+    rollup_wait_s = time.perf_counter() - started - write_s
+    worker.stop()
+    engine.dispose()
+    print(f"  rolled up {rollup_wait_s:.1f} s after the last write", flush=True)
+    return {"points": points, "write_s": write_s, "rollup_wait_s": rollup_wait_s}
+
+
+def _get(url: str) -> tuple[float, int]:
+    started = time.perf_counter()
+    with urllib.request.urlopen(url, timeout=REQUEST_TIMEOUT_S) as response:
+        body = response.read()
+        if response.status != 200:
+            raise RuntimeError(f"{url}: HTTP {response.status}")
+    return time.perf_counter() - started, len(body)
+
+
+def open_page(base: str, pool: concurrent.futures.ThreadPoolExecutor) -> tuple[float, dict[str, float], int]:
+    """One open of the run page: (wall seconds, seconds per call, bytes)."""
+    first, second = page_calls(RUN)
+    started = time.perf_counter()
+    per_call: dict[str, float] = {}
+    size = 0
+    for wave in (first, second):
+        for path, (seconds, n) in zip(wave, pool.map(lambda p: _get(base + p), wave), strict=True):
+            per_call[path] = seconds
+            size += n
+    return time.perf_counter() - started, per_call, size
+
+
+def bench(backend: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    with _servers.database(backend, "dashboard", tmp) as url, _servers.collector(url) as server:
+        print(f"{backend}: writing {args.steps:,} steps x {args.ranks} ranks", flush=True)
+        written = write_run(url, args.steps, args.ranks, args.modules)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+            opens = [open_page(server.url, pool) for _ in range(args.repeats)]
+        walls = [o[0] for o in opens]
+        calls = {path: statistics.median(o[1][path] for o in opens) for path in opens[0][1]}
+        result = {
+            "backend": backend,
+            "steps": args.steps,
+            "ranks": args.ranks,
+            "modules": args.modules,
+            **written,
+            "open_s_median": statistics.median(walls),
+            "open_s_all": walls,
+            "bytes": opens[-1][2],
+            "calls_s_median": calls,
+        }
+        print(
+            f"{backend}: run page open median {result['open_s_median']:.3f} s over {args.repeats} "
+            f"(target < {TARGET_S:.0f} s: {'met' if result['open_s_median'] < TARGET_S else 'MISSED'}), "
+            f"{result['bytes'] / 1e6:.2f} MB",
+            flush=True,
+        )
+        for path, seconds in sorted(calls.items(), key=lambda kv: -kv[1]):
+            print(f"    {seconds:8.3f} s  {path}", flush=True)
+        return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=100_000)
+    parser.add_argument("--ranks", type=int, default=512)
+    parser.add_argument("--modules", type=int, default=6, help="amax series (every 10th step)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--backends", default="sqlite", help="comma-separated: sqlite,postgresql")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="stepwatch-dashboard-bench-") as tmp:
+        for backend in args.backends.split(","):
+            results.append(bench(backend.strip(), args, Path(tmp)))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

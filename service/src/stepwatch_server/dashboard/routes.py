@@ -1,0 +1,92 @@
+"""The dashboard's endpoints: the runs overview, ranks x steps heatmaps, amax per module.
+
+Sync endpoints (FastAPI runs them in the thread pool), on the read API's connection dependency and
+queries. Mounted before the read API's router, whose `/runs/{run:path}` would take these paths.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from starlette.responses import Response
+
+from stepwatch_server.dashboard.heatmap import (
+    DEFAULT_BUCKETS,
+    MAX_BUCKETS,
+    MODES,
+    heatmap,
+    heatmap_from_rollups,
+)
+from stepwatch_server.dashboard.summary import runs_overview
+from stepwatch_server.detect.detectors.fp8_overflow import E4M3_MAX, E5M2_MAX
+from stepwatch_server.errors import InvalidBatch, NotFound
+from stepwatch_server.responses import float_list, json_response
+from stepwatch_server.runs import queries, rollups
+from stepwatch_server.runs.downsample import DEFAULT_MAX_POINTS, downsample
+from stepwatch_server.runs.routes import Conn, FromStep, MaxPoints, ToStep
+from stepwatch_server.storage.models import METRIC_STAT
+
+router = APIRouter(prefix="/api/v1", tags=["dashboard"])
+
+
+@router.get("/dashboard/runs", summary="Every run with its verdict, progress, step rate, open anomalies")
+def dashboard_runs(conn: Conn) -> Response:
+    return json_response({"runs": runs_overview(conn)})
+
+
+@router.get(
+    "/runs/{run:path}/heatmap",
+    summary="A metric as ranks x step buckets, relative to the cross-rank median (or absolute)",
+)
+def get_heatmap(
+    run: str,
+    conn: Conn,
+    metric: Annotated[str, Query(min_length=1, max_length=200, description="e.g. time.forward_ms")],
+    mode: Annotated[str, Query(description="median: each cell / the bucket's cross-rank median; "
+                               "absolute: each cell's maximum")] = "median",
+    buckets: Annotated[int, Query(ge=1, le=MAX_BUCKETS, description="step buckets (columns)")] = DEFAULT_BUCKETS,
+    from_step: FromStep = None,
+    to_step: ToStep = None,
+) -> Response:  # fmt: skip
+    if mode not in MODES:
+        raise InvalidBatch(
+            f"mode: expected one of {', '.join(MODES)}, got {mode!r}", field="mode", code="invalid_parameter"
+        )
+    found = queries.find_run(conn, run)
+    ids = queries.series_ids(conn, found.id, METRIC_STAT, metric)
+    if not ids:
+        raise NotFound(
+            f"metric {metric!r} not found in run {run!r}; GET /api/v1/runs/{run} lists them", field="metric"
+        )
+    found_steps = rollups.step_range(conn, list(ids), from_step, to_step)
+    if found_steps is not None and found_steps[2] > rollups.RAW_READ_BUDGET:  # sum the rollups in SQL
+        first, last = found_steps[0] // rollups.BUCKET_STEPS, found_steps[1] // rollups.BUCKET_STEPS
+        cells = heatmap_from_rollups(conn, next(iter(ids)), first, last, buckets, mode)
+        return json_response({"metric": metric, "mode": mode, **cells})
+    series = queries.read_points(conn, list(ids), None, from_step, to_step)
+    return json_response({"metric": metric, "mode": mode, **heatmap(series, buckets, mode)})
+
+
+@router.get(
+    "/runs/{run:path}/amax", summary="Each tracked module's amax, max over ranks, with the FP8 limits"
+)
+def get_amax(
+    run: str,
+    conn: Conn,
+    from_step: FromStep = None,
+    to_step: ToStep = None,
+    max_points: MaxPoints = DEFAULT_MAX_POINTS,
+) -> Response:
+    found = queries.find_run(conn, run)
+    ids = queries.series_ids(conn, found.id, "amax", None)
+    groups = rollups.across_ranks(conn, list(ids), from_step, to_step, max_points)
+    tail = rollups.read_steps(conn, list(ids), groups.last_group_start(), to_step)  # the latest steps
+    modules = []
+    for sid, name in ids.items():  # per step (or group of steps): the maximum over ranks
+        steps, values = groups.of(sid).peak_curve()
+        latest_peak = tail.peak[tail.series_id == sid]
+        latest = float(latest_peak[-1]) if latest_peak.size else None
+        steps, values = downsample(steps, values, max_points)
+        modules.append({"name": name, "steps": steps, "values": float_list(values), "latest": latest})
+    return json_response({"e4m3_max": E4M3_MAX, "e5m2_max": E5M2_MAX, "modules": modules})

@@ -1,0 +1,99 @@
+"""The runs overview: every run with its health verdict, size, progress, pace and open anomalies.
+
+Three bulk queries for all runs together (no query per run): the run and rank summary of the read
+API (`runs.queries.run_summaries`), the anomalies grouped by run, status and severity, and the
+recent step timestamps of each run's lowest rank, from which the step rate is taken. The verdict
+follows the health rule of detect/routes.py: the worst severity among the open anomalies.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import Connection, and_, func, select
+
+from stepwatch_server.detect.routes import verdict as verdict_of
+from stepwatch_server.runs import queries
+from stepwatch_server.storage.models import Anomaly, Rank, Run, StepRecord
+
+RATE_WINDOW_STEPS = 100  # the step rate is measured over at most this many recent steps
+LIVE_WINDOW_S = 30.0  # a run heard from within this many seconds is shown as live
+
+
+def _anomaly_counts(conn: Connection) -> dict[int, dict[str, Any]]:
+    rows = conn.execute(
+        select(
+            Anomaly.run_id,
+            Anomaly.status,
+            Anomaly.severity,
+            func.count().label("n"),
+            func.max(Anomaly.updated_at).label("updated_at"),
+        ).group_by(Anomaly.run_id, Anomaly.status, Anomaly.severity)
+    )
+    out: dict[int, dict[str, Any]] = {}
+    for r in rows:
+        entry = out.setdefault(r.run_id, {"open": 0, "total": 0, "severities": [], "updated_at": None})
+        entry["total"] += r.n
+        if r.status == "open":
+            entry["open"] += r.n
+            entry["severities"].append(r.severity)
+        if entry["updated_at"] is None or (r.updated_at is not None and r.updated_at > entry["updated_at"]):
+            entry["updated_at"] = r.updated_at
+    return out
+
+
+def _step_rates(conn: Connection) -> dict[int, float]:
+    """Steps per second over each run's last RATE_WINDOW_STEPS steps, on its lowest rank."""
+    lowest = select(Rank.run_id, func.min(Rank.rank).label("rank")).group_by(Rank.run_id).subquery()
+    rows = conn.execute(
+        select(
+            StepRecord.run_id,
+            func.min(StepRecord.step).label("first"),
+            func.max(StepRecord.step).label("last"),
+            func.min(StepRecord.ts).label("first_ts"),
+            func.max(StepRecord.ts).label("last_ts"),
+        )
+        .join(lowest, and_(lowest.c.run_id == StepRecord.run_id, lowest.c.rank == StepRecord.rank))
+        .join(
+            Rank,
+            and_(
+                Rank.run_id == StepRecord.run_id,
+                Rank.rank == StepRecord.rank,
+                Rank.incarnation == StepRecord.incarnation,
+            ),
+        )
+        .where(StepRecord.step > Rank.last_step - RATE_WINDOW_STEPS)
+        .group_by(StepRecord.run_id)
+    )
+    return {
+        r.run_id: (r.last - r.first) / (r.last_ts - r.first_ts)
+        for r in rows
+        if r.last > r.first and r.last_ts > r.first_ts
+    }
+
+
+def runs_overview(conn: Connection, name: str | None = None) -> list[dict[str, Any]]:
+    """One row per run (or only run `name`), most recently seen first."""
+    run_id = None if name is None else queries.find_run(conn, name).id
+    ids = {n: i for n, i in conn.execute(select(Run.name, Run.id))} if run_id is None else {name: run_id}
+    anomalies = _anomaly_counts(conn)
+    rates = _step_rates(conn)
+    now = dt.datetime.now(dt.UTC)
+    out = []
+    for run in queries.run_summaries(conn, run_id):
+        rid = ids[run["name"]]
+        counts = anomalies.get(rid, {"open": 0, "total": 0, "severities": [], "updated_at": None})
+        seen = run["last_seen_at"]
+        out.append(
+            {
+                **run,
+                "verdict": verdict_of(counts["severities"]),
+                "open_anomalies": counts["open"],
+                "anomalies": counts["total"],
+                "anomalies_updated_at": counts["updated_at"],
+                "step_rate": rates.get(rid),
+                "live": seen is not None and (now - seen).total_seconds() < LIVE_WINDOW_S,
+            }
+        )
+    return out

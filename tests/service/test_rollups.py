@@ -1,0 +1,308 @@
+"""Rollups kept by the rollup worker equal the aggregation of the raw series, on both backends:
+spikes and NaN survive, a resumed run's re-sent steps (a late batch for old steps, inside a bucket)
+replace the earlier incarnation's values, the grouped curves hold each group's extremes of the
+per-step mean over ranks, and the heatmap read from rollups is the one read from the raw points.
+Reads are the same while the worker has not caught up (the raw points above its watermark), and
+the worker rolls up what is left when it stops."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import orjson
+import pytest
+from sqlalchemy import Connection, Engine, insert, select
+
+from stepwatch_server.dashboard.heatmap import heatmap, heatmap_from_rollups
+from stepwatch_server.ingest.store import POINT_COLUMNS, PointRow, insert_points
+from stepwatch_server.runs import queries, rollups
+from stepwatch_server.runs.rollup_worker import RollupWorker
+from stepwatch_server.storage import make_engine, upgrade
+from stepwatch_server.storage.models import Point, Run, Series, StepRollup
+from tests.service.conftest import Collector, steps_batch
+
+RANKS = 3
+STEPS = 1024  # steps 0..1023 of incarnation 1 (rank 1 stops at 700), rank 1 resumes at 630
+CATCH_UP_S = 60.0  # the bound on waiting for the worker (it needs well under a second here)
+
+
+@pytest.fixture
+def engine(database_url: str) -> Iterator[Engine]:
+    engine = make_engine(database_url)
+    upgrade(engine)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def worker(engine: Engine) -> Iterator[RollupWorker]:
+    worker = RollupWorker(engine).start()
+    yield worker
+    worker.stop()
+
+
+def _assert_rollups_equal_raw(conn: Connection, ids: dict[str, int], all_ranks: bool) -> None:
+    for sid in ids.values():
+        raw = _raw_buckets(conn, sid, all_ranks)
+        read = rollups.read_steps if all_ranks else rollups.read
+        got = _rolled(read(conn, [sid], None, None))
+        assert got.keys() == raw.keys()
+        for key, expected in raw.items():
+            n, total, lo, hi, bad = got[key]
+            assert (n, bad) == (expected[0], expected[4]), key
+            assert total == pytest.approx(expected[1]), key
+            if n:
+                assert (lo, hi) == (expected[2], expected[3]), key
+
+
+def _write(
+    engine: Engine,
+    worker: RollupWorker | None,
+    store: Callable[[Connection, list[PointRow]], None] = insert_points,
+    hand_over_below: int = STEPS,
+) -> dict[str, int]:
+    """One run: loss on 3 ranks with a one-step spike and a NaN, amax every 10th step; rank 1
+    restarts at step 630 (incarnation 2) after reaching 700, its re-sent steps higher by 100.
+    Each batch's step range goes to `worker` as ingest hands it over (those starting below
+    `hand_over_below` only); the restart's batches are written once the worker caught up, so
+    they are late batches for steps already rolled up."""
+    now = dt.datetime.now(dt.UTC)
+    with engine.begin() as conn:
+        run_id = conn.execute(
+            insert(Run).values(name="r", world_size=RANKS, created_at=now, last_seen_at=now).returning(Run.id)
+        ).scalar_one()
+        ids = {
+            name: conn.execute(
+                insert(Series).values(run_id=run_id, stat=stat, name=name).returning(Series.id)
+            ).scalar_one()
+            for stat, name in (("", "loss"), ("amax", "fc1"))
+        }
+    rng = np.random.default_rng(1)
+    for rank in range(RANKS):
+        last = 700 if rank == 1 else STEPS
+        for lo in range(0, last, 50):  # one transaction per batch of 50 steps, as ingest does
+            steps = np.arange(lo, min(lo + 50, last))
+            loss = 2.0 + rng.normal(0, 0.01, steps.shape[0])
+            loss[steps == 333] = 90.0 if rank == 2 else loss[steps == 333]
+            rows = [(ids["loss"], rank, int(s), 1, float(v)) for s, v in zip(steps, loss, strict=True)]
+            rows = [(a, b, c, d, float("nan") if (b, c) == (0, 900) else v) for a, b, c, d, v in rows]
+            rows += [(ids["fc1"], rank, int(s), 1, 10.0 + rank) for s in steps if s % 10 == 0]
+            with engine.begin() as conn:
+                store(conn, rows)
+            if worker is not None and lo < hand_over_below:
+                worker.submit(run_id, lo, int(steps[-1]))
+    if worker is not None:
+        assert worker.wait_idle(CATCH_UP_S)
+    for lo in range(630, STEPS, 50):
+        steps = np.arange(lo, min(lo + 50, STEPS))
+        rows = [(ids["loss"], 1, int(s), 2, 102.0) for s in steps]
+        with engine.begin() as conn:
+            store(conn, rows)
+        if worker is not None and lo < hand_over_below:
+            worker.submit(run_id, lo, int(steps[-1]))
+    if worker is not None:
+        assert worker.wait_idle(CATCH_UP_S)
+    return ids
+
+
+def _raw_buckets(conn: Connection, sid: int, all_ranks: bool) -> dict[tuple[int, int], tuple[float, ...]]:
+    """(rank, bucket) -> (n, total, lo, hi, nonfinite), aggregated from the raw series."""
+    out: dict[tuple[int, int], list[float]] = {}
+    for s in queries.read_points(conn, [sid], None, None, None):
+        for step, value in zip(s.steps.tolist(), s.values.tolist(), strict=True):
+            key = (rollups.ALL_RANKS, step) if all_ranks else (s.rank, step // rollups.BUCKET_STEPS)
+            n, total, lo, hi, bad = out.setdefault(key, [0, 0.0, np.inf, -np.inf, 0])
+            if np.isfinite(value):
+                out[key] = [n + 1, total + value, min(lo, value), max(hi, value), bad]
+            else:
+                out[key][4] += 1
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def _rolled(got: rollups.Buckets) -> dict[tuple[int, int], tuple[float, ...]]:
+    return {
+        (r, b): (n, t, lo, hi, bad)
+        for r, b, n, t, lo, hi, bad in zip(
+            got.rank.tolist(),
+            got.bucket.tolist(),
+            got.n.tolist(),
+            got.total.tolist(),
+            got.lo.tolist(),
+            got.hi.tolist(),
+            got.nonfinite.tolist(),
+            strict=True,
+        )
+    }
+
+
+@pytest.mark.parametrize("all_ranks", [False, True], ids=["per-rank-bucket", "per-step"])
+def test_rollups_equal_the_raw_aggregation_across_a_restart(
+    engine: Engine, worker: RollupWorker, all_ranks: bool
+) -> None:
+    ids = _write(engine, worker)
+    with engine.connect() as conn:
+        assert rollups.rolled_to(conn, list(ids.values())) == STEPS - 1  # read from the rollup tables
+        _assert_rollups_equal_raw(conn, ids, all_ranks)
+        # the restart: rank 1's steps 630..1023 are incarnation 2's (102.0), not incarnation 1's (~2)
+        rank1 = _rolled(rollups.read(conn, [ids["loss"]], 576, 1023))
+        assert rank1[(1, 10)][2:4] == (102.0, 102.0) and rank1[(1, 10)][0] == 64
+        assert (
+            rank1[(1, 9)][0] == 64 and rank1[(1, 9)][2] < 3.0 and rank1[(1, 9)][3] == 102.0
+        )  # 576..629: inc 1
+
+
+def _raw_means(conn: Connection, sid: int) -> dict[int, float]:
+    """Per step, the mean over ranks of the raw series (latest incarnation); NaN if a rank has NaN."""
+    per_step: dict[int, list[float]] = {}
+    for s in queries.read_points(conn, [sid], None, None, None):
+        for step, value in zip(s.steps.tolist(), s.values.tolist(), strict=True):
+            per_step.setdefault(step, []).append(value)
+    return {step: float(np.mean(v)) for step, v in per_step.items()}
+
+
+@pytest.mark.parametrize("max_points", [2048, 64], ids=["per-step", "grouped"])
+def test_mean_curve_is_the_raw_mean_over_ranks_with_extremes_kept(
+    engine: Engine, worker: RollupWorker, max_points: int
+) -> None:
+    ids = _write(engine, worker)
+    with engine.connect() as conn:
+        raw = _raw_means(conn, ids["loss"])
+        steps, values = rollups.across_ranks(conn, [ids["loss"]], None, None, max_points).mean_curve()
+    assert len(steps) <= max_points and np.all(np.diff(steps) > 0)
+    if max_points >= STEPS:  # one point per step: exactly the raw mean (NaN at step 900)
+        assert steps.tolist() == sorted(raw)
+        assert np.allclose(values, [raw[s] for s in steps.tolist()], equal_nan=True)
+        return
+    per = -(-STEPS // (max_points // 2))
+    for g, (low, high) in enumerate(values.reshape(-1, 2).tolist()):
+        means = np.array([raw[s] for s in range(g * per, (g + 1) * per)])
+        if np.isnan(means).any():
+            assert np.isnan(high)  # the NaN survives as the group's maximum
+            means = means[~np.isnan(means)]
+        else:
+            assert high == pytest.approx(means.max())
+        assert low == pytest.approx(means.min())
+    assert pytest.approx((2.0 + 2.0 + 90.0) / 3, abs=0.05) in values.tolist()  # one rank's one-step spike
+    assert pytest.approx((2.0 + 102.0 + 2.0) / 3, abs=0.05) in values.tolist()  # incarnation 2 from 630
+
+
+def test_amax_curve_is_the_max_over_ranks(engine: Engine, worker: RollupWorker) -> None:
+    ids = _write(engine, worker)
+    with engine.connect() as conn:
+        groups = rollups.across_ranks(conn, list(ids.values()), 0, 499, 40)
+    steps, values = groups.of(ids["fc1"]).peak_curve()
+    assert groups.per == 25 and steps.tolist() == list(range(0, 500, 25))
+    assert values.tolist() == [12.0] * 20  # rank 2's 12.0, every 10th step
+    steps, values = groups.of(ids["loss"]).peak_curve()
+    assert values.max() == 90.0 and steps[values.argmax()] == 325
+
+
+def _assert_heatmap_equals_raw(conn: Connection, sid: int, mode: str, per_column: int) -> None:
+    buckets = -(-STEPS // (rollups.BUCKET_STEPS * per_column))  # columns from step 0, whole buckets
+    raw = heatmap(queries.read_points(conn, [sid], None, None, None), buckets, mode)
+    rolled = heatmap_from_rollups(conn, sid, 0, (STEPS - 1) // rollups.BUCKET_STEPS, buckets, mode)
+    assert raw["bucket_steps"] == rolled["bucket_steps"] == rollups.BUCKET_STEPS * per_column
+    assert np.array_equal(raw["steps"], rolled["steps"]) and np.array_equal(raw["ranks"], rolled["ranks"])
+    matrix = np.array(rolled["values"], dtype=np.float64)  # None (an empty cell) -> nan
+    assert np.allclose(matrix, np.array(raw["values"], dtype=np.float64), atol=2e-4, equal_nan=True)
+    assert np.allclose(np.array(rolled["median"], float), np.array(raw["median"], float), equal_nan=True)
+    assert (matrix[1][-3:] > 40).all()  # rank 1's incarnation 2 (102.0 against ~2.0), mixed cells included
+
+
+@pytest.mark.parametrize("mode", ["median", "absolute"])
+@pytest.mark.parametrize("per_column", [1, 2])
+def test_heatmap_from_rollups_equals_the_raw_heatmap(
+    engine: Engine, worker: RollupWorker, mode: str, per_column: int
+) -> None:
+    """Columns of one and of two rollup buckets, the restart's mixed cells included."""
+    ids = _write(engine, worker)
+    with engine.connect() as conn:
+        _assert_heatmap_equals_raw(conn, ids["loss"], mode, per_column)
+
+
+@pytest.mark.parametrize("hand_over_below", [0, 500], ids=["nothing-rolled-up", "rolled-up-to-499"])
+def test_reads_are_complete_before_the_worker_caught_up(
+    engine: Engine, worker: RollupWorker, hand_over_below: int
+) -> None:
+    """The worker got only the batches below `hand_over_below`: every view adds the raw points
+    above its watermark (mid-bucket at 499) and equals the raw aggregation all the same."""
+    ids = _write(engine, worker, hand_over_below=hand_over_below)
+    with engine.connect() as conn:
+        assert rollups.rolled_to(conn, list(ids.values())) == hand_over_below - 1
+        _assert_rollups_equal_raw(conn, ids, False)
+        _assert_rollups_equal_raw(conn, ids, True)
+        raw = _raw_means(conn, ids["loss"])
+        steps, values = rollups.across_ranks(conn, [ids["loss"]], None, None, 2048).mean_curve()
+        assert steps.tolist() == sorted(raw)
+        assert np.allclose(values, [raw[s] for s in steps.tolist()], equal_nan=True)
+        steps, values = rollups.across_ranks(conn, [ids["loss"]], None, None, 64).mean_curve()
+        assert pytest.approx((2.0 + 102.0 + 2.0) / 3, abs=0.05) in values.tolist()  # the raw tail's restart
+        _assert_heatmap_equals_raw(conn, ids["loss"], "median", 2)
+        assert rollups.step_range(conn, [ids["loss"]], None, None) == (0, STEPS - 1, 3 * STEPS - 324 + 394)
+
+
+def test_the_worker_rolls_up_what_is_left_when_it_stops(engine: Engine) -> None:
+    """In slices: 6 values per step (2 series x 3 ranks), at most 768 per transaction = 2 buckets."""
+    ids = _write(engine, None)
+    worker = RollupWorker(engine, max_values_per_round=6 * 2 * rollups.BUCKET_STEPS)
+    with engine.connect() as conn:
+        run_id = conn.execute(select(Series.run_id).where(Series.id == ids["loss"])).scalar_one()
+    worker.submit(run_id, 0, STEPS - 1)  # handed over before the thread runs its first round
+    worker.start()
+    worker.stop()
+    assert not worker.running and worker.stats()["dirty_runs"] == 0
+    assert worker.stats()["rolled_ranges"] == STEPS // (2 * rollups.BUCKET_STEPS)
+    with engine.connect() as conn:
+        assert rollups.rolled_to(conn, list(ids.values())) == STEPS - 1
+        _assert_rollups_equal_raw(conn, ids, False)
+        _assert_rollups_equal_raw(conn, ids, True)
+
+
+def test_the_migration_rolls_up_the_values_already_stored(database_url: str) -> None:
+    engine = make_engine(database_url)
+    try:
+        upgrade(engine, "0002")  # before the rollups: values stored without them
+        ids = _write(
+            engine,
+            None,
+            lambda conn, rows: conn.execute(
+                insert(Point), [dict(zip(POINT_COLUMNS, r, strict=True)) for r in rows]
+            ),
+        )
+        upgrade(engine)
+        with engine.connect() as conn:
+            _assert_rollups_equal_raw(conn, ids, False)
+            _assert_rollups_equal_raw(conn, ids, True)
+    finally:
+        engine.dispose()
+
+
+def test_the_collector_rolls_up_what_ingest_stored(database_url: str) -> None:
+    """Through HTTP: ingest hands each committed batch's steps to the collector's own worker, which
+    rolls them up (two ranks' batches of the same steps: each step's rollup holds both)."""
+    collector = Collector(database_url)
+    engine = make_engine(database_url)
+    try:
+        session = [uuid.uuid4().hex, uuid.uuid4().hex]
+        for rank, value in ((0, 1.0), (1, 3.0)):
+            batch = steps_batch("http", session[rank], 0, [0, 1, 2], rank, 2, loss=[value] * 3)
+            assert collector.post(orjson.dumps(batch)).status_code == 200
+        deadline = time.monotonic() + CATCH_UP_S
+        with engine.connect() as conn:
+            sid = conn.execute(select(Series.id).where(Series.name == "loss")).scalar_one()
+        while time.monotonic() < deadline:
+            with engine.connect() as conn:
+                got = conn.execute(select(StepRollup.step, StepRollup.n, StepRollup.total)).all()
+            if len(got) == 3 and all(n == 2 for _, n, _ in got):
+                break
+            time.sleep(0.05)
+        assert sorted(got) == [(0, 2, 4.0), (1, 2, 4.0), (2, 2, 4.0)]
+        with engine.connect() as conn:
+            assert rollups.rolled_to(conn, [sid]) == 2
+    finally:
+        engine.dispose()
+        collector.close()

@@ -1,0 +1,168 @@
+"""The built-in dashboard in a real browser: Chromium driven by playwright-core (web/tests/dashboard.mjs)
+against a real collector (`stepwatch-server serve` on loopback) fed by the demo's code with a simulated
+run holding a straggler and a loss spike.
+
+One browser session checks everything the issue names, in order, and reports JSON; each test below
+asserts one behaviour of that report. Screenshots go to artifacts/screenshots/ (kept by CI).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stepwatch_server.demo import Client, Feeder
+from stepwatch_server.simulate import LossSpike, Scenario, Simulation, Straggler
+from stepwatch_server.web.pages import INDEX
+from tests.conftest import REPO, require
+from tests.e2e.conftest import Collector, free_port
+
+WEB = REPO / "web"
+SCRIPT = WEB / "tests" / "dashboard.mjs"
+SCREENSHOTS = REPO / "artifacts" / "screenshots"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+RUN = "dashboard-demo"
+HEALTHY_RUN = "healthy-baseline"  # a second, clean run: the runs page tells the two apart
+STRAGGLER_RANK = 11
+SPIKE_STEP = 800
+STEPS = 1200
+LIVE_FROM_STEP = 1100  # fed after the page has loaded: these steps must arrive live
+BROWSER_TIMEOUT_S = 150.0
+SCENARIO = Scenario(
+    "dashboard",
+    16,
+    STEPS,
+    seed=7,
+    faults=(Straggler(STRAGGLER_RANK, 400, factor=1.3), LossSpike(SPIKE_STEP, magnitude=1.8)),
+    flush_interval_s=20.0,  # fewer, larger batches: the run is fed in a few seconds
+)
+HEALTHY = Scenario("healthy", 8, 300, seed=3, flush_interval_s=20.0)
+
+
+def _before_live(doc: dict[str, Any]) -> bool:
+    return not doc.get("steps") or max(doc["steps"]) < LIVE_FROM_STEP
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    require(shutil.which("node") is not None, "node is not installed (Node.js 20: apt-get install nodejs)")
+    require(Path(CHROMIUM).exists(), "chromium is not installed (apt-get install -y chromium)")
+    require((WEB / "node_modules" / "playwright-core").is_dir(), "web/node_modules missing: cd web && npm ci")
+    require(INDEX.is_file(), "the dashboard is not built: cd web && npm ci && npm run build")
+    tmp = tmp_path_factory.mktemp("dashboard")
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    collector = Collector(f"sqlite:///{tmp / 'stepwatch.db'}", free_port(), tmp / "collector.log").start()
+    client = Client(collector.url)
+    try:
+        Feeder(client, HEALTHY_RUN).send(Simulation(HEALTHY))
+        feeder = Feeder(client, RUN)
+        batches = iter(Simulation(SCENARIO))
+        pending: list[dict[str, Any]] = []
+        for doc in batches:
+            if not _before_live(doc):
+                pending.append(doc)
+                break
+            feeder.send([doc])
+        feeder.wait_for_detection()
+        env = {
+            **os.environ,
+            "STEPWATCH_URL": collector.url,
+            "STEPWATCH_RUN": RUN,
+            "CHROMIUM": CHROMIUM,
+            "SCREENSHOTS": str(SCREENSHOTS),
+        }
+        with subprocess.Popen(
+            ["node", str(SCRIPT)],
+            cwd=WEB,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        ) as browser:
+            try:
+                assert browser.stdout is not None and browser.stdin is not None
+                ready = browser.stdout.readline()  # the script's own timeout bounds this wait
+                if not ready:
+                    raise AssertionError(
+                        f"the browser script ended early: {browser.communicate(timeout=30)[1]}"
+                    )
+                feeder.send(pending + list(islice(batches, 8)))  # the next steps of a few ranks
+                browser.stdin.write("fed\n")
+                browser.stdin.flush()
+                out, err = browser.communicate(timeout=BROWSER_TIMEOUT_S)
+            finally:
+                if browser.poll() is None:
+                    browser.kill()
+        assert browser.returncode == 0, f"dashboard.mjs failed ({browser.returncode}): {err[-3000:]}"
+        done = json.loads(out.strip().splitlines()[-1])
+        yield {"ready": json.loads(ready), **done}
+    finally:
+        client.close()
+        collector.stop()
+
+
+def test_runs_page_lists_the_run_with_a_warning_verdict(report: dict[str, Any]) -> None:
+    runs = report["runsPage"]
+    assert runs["verdict"] == "warning", runs
+    assert "warning" in runs["text"] and "16" in runs["text"], runs  # the verdict in words, the world size
+    assert runs["verdicts"] == {RUN: "warning", HEALTHY_RUN: "ok"}, runs
+
+
+def test_run_page_draws_every_chart(report: dict[str, Any]) -> None:
+    painted = {c["name"]: c["painted"] for c in report["canvases"]}
+    for metric in ("loss", "grad_norm", "lr", "time.step_ms"):
+        assert painted.get(metric, 0) > 0, (metric, report["canvases"])
+    heatmaps = [c for c in report["canvases"] if "heatmap" in c["name"]]
+    assert len(heatmaps) == 2 and all(c["painted"] > 0 for c in heatmaps), report["canvases"]
+    amax = [c for c in report["canvases"] if "amax" in c["name"].lower()]
+    assert amax and all(c["painted"] > 0 for c in amax), report["canvases"]
+
+
+def test_anomaly_list_names_the_straggler_rank_and_the_spike_step(report: dict[str, Any]) -> None:
+    by_kind = {a["kind"]: a for a in report["anomalies"]}
+    straggler = by_kind["straggler"]
+    assert straggler["rank"] == STRAGGLER_RANK and f"rank {STRAGGLER_RANK}" in straggler["text"], straggler
+    spike = by_kind["loss_spike"]
+    assert abs(spike["firstStep"] - SPIKE_STEP) <= 2 and f"step {SPIKE_STEP:,}" in spike["text"], spike
+    assert all(a["severityText"].split()[-1] in {"info", "warning", "critical"} for a in report["anomalies"])
+
+
+def test_clicking_the_spike_zooms_every_chart_to_it(report: dict[str, Any]) -> None:
+    zoom = report["zoom"]
+    assert len(zoom["after"]) >= 5, zoom  # the four curves and amax
+    for lo, hi in zoom["after"]:
+        assert lo <= SPIKE_STEP <= hi and hi - lo <= STEPS / 5, zoom
+    assert all(hi - lo > STEPS / 2 for lo, hi in zoom["before"]), zoom
+    assert "#anomaly=" in zoom["url"], zoom  # the zoomed view has an address, and opening it zooms there
+    assert report["permalink"] and all(
+        lo <= SPIKE_STEP <= hi < lo + STEPS / 5 for lo, hi in report["permalink"]
+    )
+    assert f"highlighting rank {STRAGGLER_RANK}" in report["highlight"], report["highlight"]
+
+
+def test_a_new_step_arrives_live_within_two_seconds(report: dict[str, Any]) -> None:
+    live = report["live"]
+    assert live["after"] is not None, live
+    assert live["after"]["shown"] >= LIVE_FROM_STEP > live["before"], live
+    assert live["ms"] < 2000, live
+
+
+def test_no_console_errors_and_no_request_leaves_loopback(report: dict[str, Any]) -> None:
+    assert report["consoleErrors"] == [], report["consoleErrors"]
+    assert report["blocked"] == [], report["blocked"]
+    assert report["requests"] and any("/api/v1/stream" in url for url in report["requests"])
+
+
+def test_screenshots_are_saved(report: dict[str, Any]) -> None:
+    for name in ("runs.png", "run.png", "run-zoomed.png"):
+        path = SCREENSHOTS / name
+        assert path.is_file() and path.stat().st_size > 10_000, path

@@ -1,0 +1,118 @@
+"""The dashboard's read model and serving, against a real collector on SQLite and PostgreSQL: the runs
+overview (verdict, step rate), the heatmap relative to the cross-rank median, amax as max over ranks,
+the event stream (a new step arrives; the stream ends when the server stops), and the page that says
+how to build the front end when it is missing."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from stepwatch_server.web import pages
+from tests.detect.service_helpers import batch, session, wait_detected
+from tests.service.conftest import Collector
+
+STREAM_WAIT_S = 20.0
+
+
+def _run(collector: Collector, name: str, ranks: int, steps: int, slow_rank: int | None = None) -> None:
+    """`ranks` ranks of `steps` steps, one step per second; `slow_rank` 1.3x slower in forward."""
+    for rank in range(ranks):
+        s = list(range(1, steps + 1))
+        forward = [130.0 if rank == slow_rank else 100.0 + (rank % 3) for _ in s]
+        amax = {f"layers.{i}": [float(rank + i + step % 5) for step in s] for i in range(2)}
+        doc = batch(name, session(), 0, rank, ranks, s, **{"time.forward_ms": forward, "loss": [2.0] * steps})
+        doc["tensors"] = {"steps": s, "stats": {"amax": amax}}
+        response = collector.post(doc)
+        assert response.status_code == 200, response.text
+
+
+def test_overview_heatmap_and_amax(collector: Collector) -> None:
+    _run(collector, "dash", ranks=8, steps=40, slow_rank=5)
+    wait_detected(collector)
+    row = next(r for r in collector.get("/api/v1/dashboard/runs")["runs"] if r["name"] == "dash")
+    assert row["world_size"] == 8 and row["last_step"] == 40 and row["ranks"] == 8
+    assert row["step_rate"] == pytest.approx(1.0)  # the batches' timestamps: one step per second
+    assert row["verdict"] in {"ok", "warning", "critical"} and row["open_anomalies"] >= 0
+
+    heat = collector.get("/api/v1/runs/dash/heatmap", metric="time.forward_ms", buckets=4)
+    assert heat["ranks"] == list(range(8)) and heat["steps"] == [1, 11, 21, 31] and heat["bucket_steps"] == 10
+    assert all(v == pytest.approx(1.3 / 1.01, rel=0.02) for v in heat["values"][5])  # the slow rank's row
+    assert all(0.95 < v < 1.05 for r in (0, 1, 2, 3, 4, 6, 7) for v in heat["values"][r])
+
+    absolute = collector.get(
+        "/api/v1/runs/dash/heatmap", metric="time.forward_ms", buckets=4, mode="absolute"
+    )
+    assert absolute["values"][5] == [130.0] * 4
+
+    amax = collector.get("/api/v1/runs/dash/amax")
+    assert amax["e4m3_max"] == 448.0
+    by_name = {m["name"]: m for m in amax["modules"]}
+    assert by_name["layers.1"]["values"][0] == 7 + 1 + 1  # max over ranks: rank 7, module 1, step 1
+    assert by_name["layers.0"]["latest"] == 7 + 0 + 40 % 5
+    grouped = collector.get("/api/v1/runs/dash/amax", max_points=4)  # 40 steps in groups of 20
+    layer0 = next(m for m in grouped["modules"] if m["name"] == "layers.0")
+    assert layer0["steps"] == [1, 21] and layer0["values"] == [7 + 0 + 4] * 2  # each group's peak
+    assert layer0["latest"] == 7 + 0 + 40 % 5  # the last step's, not the last group's maximum
+
+
+def test_heatmap_rejects_a_bad_mode_and_an_unknown_metric(collector: Collector) -> None:
+    _run(collector, "dash2", ranks=2, steps=3)
+    bad = collector.http.get("/api/v1/runs/dash2/heatmap", params={"metric": "loss", "mode": "mean"})
+    assert bad.status_code == 422 and bad.json()["error"]["field"] == "mode"
+    missing = collector.http.get("/api/v1/runs/dash2/heatmap", params={"metric": "nope"})
+    assert missing.status_code == 404 and missing.json()["error"]["field"] == "metric"
+
+
+def _listen(url: str, events: list[dict[str, Any]], done: threading.Event) -> None:
+    try:
+        with httpx.stream("GET", url, timeout=STREAM_WAIT_S) as response:
+            name = None
+            for line in response.iter_lines():
+                if line.startswith("event: "):
+                    name = line[7:]
+                elif line.startswith("data: ") and name == "runs":
+                    events.append(json.loads(line[6:]))
+    except httpx.HTTPError:
+        pass
+    finally:
+        done.set()
+
+
+def test_stream_sends_new_steps_and_ends_when_the_server_stops(collector: Collector) -> None:
+    name = f"live-{uuid.uuid4().hex[:6]}"
+    events: list[dict[str, Any]] = []
+    done = threading.Event()
+    listener = threading.Thread(
+        target=_listen, args=(f"{collector.server.url}/api/v1/stream?run={name}", events, done), daemon=True
+    )
+    listener.start()
+    sid = session()
+    collector.post(batch(name, sid, 0, 0, 1, [1, 2]))
+    collector.post(batch(name, sid, 1, 0, 1, [3]))
+    deadline = time.monotonic() + STREAM_WAIT_S
+    seen: list[int] = []
+    while time.monotonic() < deadline and 3 not in seen:
+        seen = [r["last_step"] for e in list(events) for r in e["runs"] if r["name"] == name]
+        time.sleep(0.05)
+    assert 3 in seen, events
+    assert all(r["name"] == name for e in events for r in e["runs"])  # ?run= filters
+    collector.server.stop()
+    assert not collector.server._thread.is_alive(), "an open event stream held the server's shutdown"
+    assert done.wait(STREAM_WAIT_S)
+
+
+def test_front_end_missing_says_how_to_build_it(
+    collector: Collector, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(pages, "INDEX", tmp_path / "index.html")
+    for path in ("/", "/run/some/run"):
+        response = collector.http.get(path)
+        assert response.status_code == 503 and "npm ci &amp;&amp; npm run build" in response.text

@@ -1,0 +1,38 @@
+// The collector's read API: JSON over fetch, non-finite numbers ("NaN", "Infinity") turned into numbers.
+
+export class ApiError extends Error {
+  constructor(status, message) {
+    super(message);
+    this.status = status;
+  }
+}
+
+export async function getJson(path, params = {}) {
+  const query = new URLSearchParams();
+  for (const [k, v] of Object.entries(params)) if (v !== undefined && v !== null) query.set(k, String(v));
+  const url = query.size ? `${path}?${query}` : path;
+  const response = await fetch(url, { headers: { Accept: "application/json" } });
+  if (!response.ok) {
+    let message = `${response.status} ${response.statusText}`;
+    try {
+      message = (await response.json()).error?.message ?? message;
+    } catch {
+      /* not JSON: keep the status line */
+    }
+    throw new ApiError(response.status, message);
+  }
+  return response.json();
+}
+
+const NONFINITE = { NaN: NaN, Infinity: Infinity, "-Infinity": -Infinity };
+
+/** The API's values as numbers; non-finite ones become null (a gap), as charts want them. */
+export function finiteOrNull(values) {
+  return values.map((v) => (typeof v === "number" ? v : v in NONFINITE ? null : null));
+}
+
+export function toNumber(v) {
+  return typeof v === "number" ? v : (NONFINITE[v] ?? null);
+}
+
+export const runPath = (run) => `/api/v1/runs/${encodeURIComponent(run).replaceAll("%2F", "/")}`;

@@ -1,0 +1,160 @@
+// A ranks x steps heatmap on a canvas: one row per rank, one column per bucket of steps, from
+// /api/v1/runs/<run>/heatmap. Relative mode (each cell / the bucket's cross-rank median) uses a
+// diverging scale centred on 1.0, so a straggler is a warm horizontal line; absolute mode (memory) a
+// sequential one. The left margin equals the charts' y axis, so columns line up with their steps.
+import { Y_AXIS_PX } from "./charts.js";
+import { el, fmtNum } from "./format.js";
+
+const DIVERGING = [[49, 99, 196], [38, 42, 54], [242, 169, 59], [255, 72, 72]]; // <1, 1, >1, >>1
+const SEQUENTIAL = [[30, 34, 48], [46, 110, 160], [110, 190, 140], [250, 220, 90]];
+
+function lerp(stops, t) {
+  const x = Math.min(1, Math.max(0, t)) * (stops.length - 1);
+  const i = Math.min(stops.length - 2, Math.floor(x));
+  const f = x - i;
+  return stops[i].map((c, k) => Math.round(c + (stops[i + 1][k] - c) * f));
+}
+
+export class Heatmap {
+  constructor(parent, { label, mode, unit }) {
+    this.mode = mode;
+    this.unit = unit ?? "";
+    this.data = null;
+    this.highlight = null; // a rank
+    this.canvas = el("canvas", { class: "heatmap", role: "img", "aria-label": label });
+    this.tip = el("div", { class: "heat-tip", role: "status", "aria-live": "polite" }, "Hover a cell for its rank, steps and value.");
+    this.legend = el("div", { class: "heat-legend" });
+    parent.append(this.canvas, this.legend, this.tip);
+    this.canvas.addEventListener("mousemove", (e) => this._hover(e));
+    this.canvas.addEventListener("mouseleave", () => (this.tip.textContent = "Hover a cell for its rank, steps and value."));
+  }
+
+  setData(data) {
+    this.data = data;
+    this.draw();
+  }
+
+  setHighlight(rank) {
+    this.highlight = rank;
+    this.draw();
+  }
+
+  _colour(v, scale) {
+    if (v === null) return null;
+    if (this.mode === "median") {
+      // 0.9 -> blue, 1.0 -> neutral, 1.1 -> amber, >= 1.3 -> red
+      const t = v < 1 ? (v - 0.85) / 0.15 / 3 : 1 / 3 + Math.min(1, (v - 1) / 0.3) * (2 / 3);
+      return lerp(DIVERGING, t);
+    }
+    return lerp(SEQUENTIAL, (v - scale.lo) / (scale.hi - scale.lo || 1));
+  }
+
+  draw() {
+    const d = this.data;
+    const dpr = devicePixelRatio || 1;
+    const width = Math.max(320, this.canvas.parentElement.clientWidth);
+    const rows = d ? d.ranks.length : 0;
+    const rowPx = rows > 128 ? 1 : rows > 32 ? 3 : 8;
+    const plotH = Math.max(64, rows * rowPx);
+    const height = plotH + 22;
+    this.canvas.style.width = `${width}px`;
+    this.canvas.style.height = `${height}px`;
+    this.canvas.width = Math.round(width * dpr);
+    this.canvas.height = Math.round(height * dpr);
+    const ctx = this.canvas.getContext("2d");
+    ctx.scale(dpr, dpr);
+    ctx.fillStyle = "#161a22";
+    ctx.fillRect(0, 0, width, height);
+    if (!d || rows === 0 || d.steps.length === 0) {
+      ctx.fillStyle = "#aab2bf";
+      ctx.font = "13px system-ui, sans-serif";
+      ctx.fillText("no data", Y_AXIS_PX + 8, 24);
+      return;
+    }
+    const left = Y_AXIS_PX;
+    const plotW = width - left - 8;
+    const cols = d.steps.length;
+    const x0 = d.steps[0];
+    const x1 = d.steps[cols - 1] + d.bucket_steps;
+    const scale = this._scale(d);
+    this.geometry = { left, plotW, plotH, rowPx: plotH / rows, x0, x1 };
+    const cellW = plotW / cols;
+    const cellH = plotH / rows;
+    for (let r = 0; r < rows; r++) {
+      const values = d.values[r];
+      for (let c = 0; c < cols; c++) {
+        const rgb = this._colour(values[c], scale);
+        if (!rgb) continue;
+        ctx.fillStyle = `rgb(${rgb[0]},${rgb[1]},${rgb[2]})`;
+        ctx.fillRect(left + c * cellW, r * cellH, Math.ceil(cellW), Math.ceil(cellH));
+      }
+    }
+    ctx.fillStyle = "#aab2bf";
+    ctx.font = "11px system-ui, sans-serif";
+    ctx.textAlign = "right";
+    const every = Math.max(1, Math.ceil(rows / Math.max(1, Math.floor(plotH / 16))));
+    for (let r = 0; r < rows; r += every) ctx.fillText(`rank ${d.ranks[r]}`, left - 6, r * cellH + cellH / 2 + 4);
+    ctx.textAlign = "center";
+    const ticks = Math.max(2, Math.floor(plotW / 110));
+    for (let i = 0; i <= ticks; i++) {
+      const step = x0 + ((x1 - x0) * i) / ticks;
+      ctx.textAlign = i === 0 ? "left" : i === ticks ? "right" : "center"; // the ends stay inside
+      ctx.fillText(Math.round(step).toLocaleString("en-US"), left + (plotW * i) / ticks, plotH + 15);
+    }
+    if (this.highlight !== null) {
+      const r = d.ranks.indexOf(this.highlight);
+      if (r >= 0) {
+        ctx.strokeStyle = "#ffffff";
+        ctx.lineWidth = 2;
+        ctx.setLineDash([4, 3]);
+        ctx.strokeRect(left + 1, r * cellH - 2, plotW - 2, cellH + 4);
+        ctx.setLineDash([]);
+        ctx.textAlign = "left";
+        ctx.fillStyle = "#ffffff";
+        ctx.font = "bold 12px system-ui, sans-serif";
+        ctx.fillText(`◀ rank ${this.highlight}`, left + 6, Math.max(12, r * cellH - 6));
+      }
+    }
+    this._drawLegend(scale);
+  }
+
+  _scale(d) {
+    if (this.mode === "median") return { lo: 0.85, hi: 1.3 };
+    // The 2nd to 98th percentile: a warm-up ramp or one outlier does not flatten everything else.
+    const all = d.values.flat().filter((v) => v !== null).sort((a, b) => a - b);
+    if (!all.length) return { lo: 0, hi: 1 };
+    const at = (q) => all[Math.min(all.length - 1, Math.floor(q * all.length))];
+    return { lo: at(0.02), hi: at(0.98) };
+  }
+
+  _drawLegend(scale) {
+    const stops = this.mode === "median" ? DIVERGING : SEQUENTIAL;
+    const gradient = `linear-gradient(90deg, ${stops.map((c) => `rgb(${c.join(",")})`).join(", ")})`;
+    const lo = this.mode === "median" ? "0.85× median (faster)" : `≤ ${fmtNum(scale.lo)} ${this.unit}`;
+    const hi = this.mode === "median" ? "≥ 1.3× median (slower)" : `≥ ${fmtNum(scale.hi)} ${this.unit}`;
+    const mid = this.mode === "median" ? "1.0× = like its peers" : "";
+    const parts = [
+      el("span", {}, lo),
+      el("span", { class: "bar", style: `background: ${gradient}`, "aria-hidden": "true" }),
+      el("span", {}, hi),
+    ];
+    if (mid) parts.push(el("span", { class: "muted" }, mid));
+    this.legend.replaceChildren(...parts);
+  }
+
+  _hover(e) {
+    const g = this.geometry;
+    const d = this.data;
+    if (!g || !d) return;
+    const rect = this.canvas.getBoundingClientRect();
+    const x = e.clientX - rect.left - g.left;
+    const y = e.clientY - rect.top;
+    if (x < 0 || x > g.plotW || y < 0 || y > g.plotH) return;
+    const c = Math.floor((x / g.plotW) * d.steps.length);
+    const r = Math.floor(y / g.rowPx);
+    const v = d.values[r]?.[c];
+    const from = d.steps[c];
+    const what = this.mode === "median" ? `${fmtNum(v)}× the median of all ranks` : `${fmtNum(v)} ${this.unit}`;
+    this.tip.textContent = `rank ${d.ranks[r]}, steps ${from.toLocaleString("en-US")}–${(from + d.bucket_steps - 1).toLocaleString("en-US")}: ${v === null || v === undefined ? "no data" : what}`;
+  }
+}
