@@ -2,7 +2,7 @@
 (series, step, incarnation) over every rank (stepwatch_server/runs/rollups.py).
 
 Revision ID: 0004
-Revises: 0002
+Revises: 0003
 Create Date: 2026-11-29 18:50:00.000000
 
 The rollups of the values already stored are computed here (one INSERT ... SELECT per kind of row);
@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = '0004'
-down_revision: str | None = '0002'
+down_revision: str | None = '0003'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
