@@ -36,7 +36,7 @@ def _step_with(
 
 
 def test_records_round_trip_through_one_tensor() -> None:
-    missing = (torch.tensor(1.0), torch.tensor(-1.0))
+    missing = (torch.tensor(1.0), torch.tensor(-1.0), torch.tensor(0.0))
     order = ("a", "b")
     first = _step_with([(-2.0, 1.5), None], 4.0, {"tokens": torch.tensor(7.0, dtype=torch.float64)})
     first.grads = (torch.tensor([1.0, 2.0]), ("w", "b"))

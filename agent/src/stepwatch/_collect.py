@@ -52,8 +52,13 @@ class Collector:
         self._fingerprint = Fingerprinter(model)
         self._slots: dict[str, int] = {}  # tracked module -> index in first-seen forward order
         self._order: tuple[str, ...] = ()
-        # (min, max) of a module that did not run this step: min > max marks it missing.
-        self._missing = (torch.ones((), device=self.device), -torch.ones((), device=self.device))
+        # What a module that did not run this step reports, made once: (min, max) with min > max on a
+        # sampled step, a zero sum on any other.
+        self._missing = (
+            torch.ones((), device=self.device),
+            -torch.ones((), device=self.device),
+            torch.zeros((), device=self.device),
+        )
         self._step = config.start_step if config.start_step is not None else resumed_step(optimizer)
         self._cur = Step(0, self._sampled(self._step + 1))
         self._done: tuple[Step, int, float, Any, Any] | None = None  # finished step, not yet finalized

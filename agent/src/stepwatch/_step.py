@@ -18,6 +18,7 @@ NAME = re.compile(r"[A-Za-z0-9._:/@+\-\[\]]{1,200}")
 MAX_KNOWN_NAMES = 1_000  # watch.log() names remembered as valid (skips the regex); beyond, checked each time
 
 Pair = tuple[torch.Tensor, torch.Tensor]
+Missing = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (1, -1) as (min, max), and a zero sum
 Act = Pair | torch.Tensor  # (min, max) on a sampled step; the float32 sum on any other step
 
 
@@ -97,7 +98,7 @@ class Step:
         self.forwards: list[tuple[Any, Any]] = []  # CUDA: (start, end) events of each forward
         self.opt_start: Any = None
 
-    def record(self, step: int, ts: float, order: tuple[str, ...], missing: Pair) -> StepRecord:
+    def record(self, step: int, ts: float, order: tuple[str, ...], missing: Missing) -> StepRecord:
         """The finished step, its device values in the order `StepRecord` documents."""
         rec = StepRecord(step=step, ts=ts, host=self.host)
         names, scalars = self.hook_names, self.scalars
@@ -114,7 +115,7 @@ class Step:
         # otherwise. Identity tests only: `None in acts` would call Tensor.__eq__ (~50 us each).
         ran = sum(a is not None for a in acts)
         if 0 < ran < len(acts):
-            fill = missing if self.sampled else missing[0].new_zeros(())
+            fill: Act = (missing[0], missing[1]) if self.sampled else missing[2]
             acts = [fill if a is None else a for a in acts]
         if ran:
             rec.amax_names = order[: len(acts)]
