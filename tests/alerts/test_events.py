@@ -163,3 +163,24 @@ def test_a_retry_past_the_deadline_is_given_up_and_recorded(db: Engine, config: 
     )
     assert waiting.status == "pending" and waiting.attempts == 1
     assert waiting.next_attempt_at >= now + dt.timedelta(seconds=30)  # Retry-After over the 2 s backoff cap
+
+
+def test_a_channel_gets_its_messages_one_at_a_time_in_order(db: Engine, config: AlertsConfig) -> None:
+    """An open and its resolve due together must not race: one message per channel is claimed, the
+    oldest first, and none while a send to that channel is in flight."""
+    book = AnomalyBook("r")
+    book.raise_("hang", "run", step=5, ts=5.0, severity="critical", summary="h", evidence={}, rank=1)
+    save_anomalies(db, book.drain_changes(), on_stored=functools.partial(record_events, config))
+    assert compose(db, config) == 2
+    book.resolve("hang", "run", step=9, ts=9.0)
+    save_anomalies(db, book.drain_changes(), on_stored=functools.partial(record_events, config))
+    assert compose(db, config) == 2
+    limiter = RateLimiter({name: 20 for name in config.channels})
+    now = dt.datetime.now(dt.UTC)
+    assert claim(db, config, limiter, now, busy={"team", "pager"}) == []
+    first = claim(db, config, limiter, now)
+    assert sorted(c.channel for c in first) == ["pager", "team"]
+    with db.connect() as conn:
+        events = dict(conn.execute(select(AlertDelivery.id, AlertDelivery.event)).all())
+    assert {events[c.id] for c in first} == {"open"}  # the resolves wait for their opens
+    assert claim(db, config, limiter, now, busy={c.channel for c in first}) == []

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime as dt
 import random
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,9 +45,19 @@ class Claimed:
 
 
 def claim(
-    engine: Engine, config: AlertsConfig, limiter: RateLimiter, now: dt.datetime, limit: int = CLAIM_BATCH
+    engine: Engine,
+    config: AlertsConfig,
+    limiter: RateLimiter,
+    now: dt.datetime,
+    limit: int = CLAIM_BATCH,
+    busy: Collection[str] = (),
 ) -> list[Claimed]:
-    """Claim up to `limit` due deliveries that their channels' rate limits allow; defer the others."""
+    """Claim up to `limit` due deliveries that their channels' rate limits allow; defer the others.
+
+    One message per channel at a time, the oldest due first: nothing is claimed for a channel in `busy`
+    (a send to it is in flight) and at most one per channel per call, so a channel receives its messages
+    in the order they were written (a resolve never overtakes its open).
+    """
     lease_until = now + dt.timedelta(seconds=config.timeout_s + LEASE_MARGIN_S)
     due = select(AlertDelivery.id).where(
         AlertDelivery.status == "pending", AlertDelivery.next_attempt_at <= now
@@ -59,12 +70,17 @@ def claim(
             select(AlertDelivery.__table__)
             .where(AlertDelivery.status == "pending", AlertDelivery.next_attempt_at <= now)
             .order_by(AlertDelivery.next_attempt_at, AlertDelivery.id)
-            .limit(limit)
+            .limit(CLAIM_BATCH)
             .with_for_update(skip_locked=True)
         ).all()
         claimed: list[Claimed] = []
         changes: list[dict[str, Any]] = []
+        taken = set(busy)
         for row in rows:
+            if len(claimed) >= limit:
+                break
+            if row.channel in taken:
+                continue  # after the message before it; stays due for a later round
             if row.channel not in config.channels:
                 error = f"channel {row.channel!r} is no longer in the configuration ({config.source})"
                 changes.append(
@@ -90,6 +106,7 @@ def claim(
                 )
                 stats.record_delivery("rate_limited", channel_type)
                 continue
+            taken.add(row.channel)
             claimed.append(
                 Claimed(
                     row.id,

@@ -88,7 +88,9 @@ class AlertWorker:
             self._guard("compose", compose, self.db, self.config)
             free = MAX_PARALLEL_SENDS - len(self._in_flight)
             claimed = (
-                self._guard("claim", claim, self.db, self.config, self.limiter, _now(), free)
+                self._guard(
+                    "claim", claim, self.db, self.config, self.limiter, _now(), free, self._busy_channels()
+                )
                 if free
                 else None
             )
@@ -102,6 +104,9 @@ class AlertWorker:
                 self._wake.wait(POLL_INTERVAL_S)
                 self._wake.clear()
         self._collect(self._deadline_s, every=True)
+
+    def _busy_channels(self) -> set[str]:
+        return {c.channel for c in self._in_flight.values()}
 
     def _collect(self, wait_s: float, every: bool = False) -> None:
         """Record the sends that finish within `wait_s`: the first ones, or `every` one (at stop)."""
