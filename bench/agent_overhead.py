@@ -272,6 +272,37 @@ class ValuesOnlyVariant(ToolVariant):
         pass
 
 
+class FloorVariant(Variant):
+    """Reference, not a tool: the least any monitor computing the issue's per-step values must add.
+
+    Per step, on the training thread: the total grad norm in one fused call over all gradients, and
+    one float32 sum of every Linear's output (non-finite when an element is), the two reductions
+    stepwatch does on every step. Nothing else: no timers, no amax, no host copy, no logging.
+    """
+
+    name = "floor"
+
+    def setup(self) -> None:
+        self.note = "one fused grad norm + one sum per Linear output; nothing kept, nothing shipped"
+        self.sums: list[torch.Tensor] = []
+        for module in self.model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_hook(self._hook)
+
+    def _hook(self, _module: torch.nn.Module, _inputs: Any, output: torch.Tensor) -> None:
+        self.sums.append(output.detach().sum(dtype=torch.float32))
+
+    def step(self, i: int) -> None:
+        self.sums = []
+        x, y = self.data.next()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        self.total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2)))
+        self.optimizer.step()
+
+
 class WandbVariant(ToolVariant):
     name = "wandb-offline"
 
@@ -335,6 +366,7 @@ VARIANTS: dict[str, type[Variant]] = {
     "bare": Variant,
     "stepwatch": StepwatchVariant,
     "values-only": ValuesOnlyVariant,
+    "floor": FloorVariant,
     "wandb-offline": WandbVariant,
     "tensorboard": TensorBoardVariant,
     "mlflow": MlflowVariant,
@@ -474,6 +506,16 @@ def report(out: dict[str, Any], args: argparse.Namespace) -> None:
                 )
         pct = results["stepwatch"]["overhead_pct"]
         print(f"stepwatch overhead: {pct:.2f}% of the bare median step (target < 2%)")
+    if "floor" in results:
+        floor = results["floor"]
+        print(
+            f"floor (the per-step grad norm and activation sums alone): {floor['overhead_ms']:.3f} ms = "
+            f"{floor['overhead_pct']:.2f}% of the bare median step"
+        )
+        if "stepwatch" in results:
+            above = results["stepwatch"]["overhead_ms"] - floor["overhead_ms"]
+            out["stepwatch_above_floor_ms"] = above
+            print(f"stepwatch above the floor (timers, amax, copies, shipping, bookkeeping): {above:.3f} ms")
     print(f"measured in {out['elapsed_s']:.0f} s")
 
 
