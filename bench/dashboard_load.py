@@ -46,6 +46,7 @@ import _servers  # noqa: E402
 RUN = "bench-dashboard"
 TARGET_S = 2.0
 REQUEST_TIMEOUT_S = 600.0
+PROGRESS_EVERY_S = 30.0
 AMAX_EVERY = 10
 WRITE_STEPS = 2000  # steps per written chunk (one transaction per rank and chunk)
 METRICS = ("loss", "grad_norm", "lr", "time.step_ms", "time.forward_ms", "time.data_ms", "mem.allocated_mb")
@@ -69,12 +70,12 @@ def page_calls(run: str) -> tuple[list[str], list[str]]:
 
 def write_run(database_url: str, steps: int, ranks: int, modules: int) -> dict[str, Any]:
     """The run's rows, written with the collector's bulk insert; returns counts and the time taken."""
-    from sqlalchemy import insert
+    from sqlalchemy import insert, select
 
     from stepwatch_server.ingest.store import insert_points
     from stepwatch_server.runs.rollup_worker import RollupWorker
     from stepwatch_server.storage import make_engine
-    from stepwatch_server.storage.models import Rank, Run, Series, StepRecord
+    from stepwatch_server.storage.models import Rank, RollupMark, Run, Series, StepRecord
 
     engine = make_engine(database_url)
     worker = RollupWorker(engine).start()
@@ -146,13 +147,33 @@ def write_run(database_url: str, steps: int, ranks: int, modules: int) -> dict[s
             flush=True,
         )
     write_s = time.perf_counter() - started
-    if not worker.wait_idle(REQUEST_TIMEOUT_S):
-        raise RuntimeError(f"the rollup worker did not catch up in {REQUEST_TIMEOUT_S:.0f} s")
+    # The worker rolls up while the writes go on, and catches up after them: wait for it, showing its
+    # watermark, for as long as it keeps moving (a stalled worker fails the benchmark).
+    mark_sql = select(RollupMark.rolled_to).where(RollupMark.run_id == run_id)
+    last_mark, last_move = -1, time.perf_counter()
+    while not worker.wait_idle(PROGRESS_EVERY_S):
+        with engine.connect() as conn:
+            mark = conn.execute(mark_sql).scalar() or -1
+        now = time.perf_counter()
+        if mark > last_mark:
+            last_mark, last_move = mark, now
+        elif now - last_move > REQUEST_TIMEOUT_S:
+            raise RuntimeError(f"the rollup worker stalled at step {mark} for {REQUEST_TIMEOUT_S:.0f} s")
+        print(
+            f"  rollups at step {mark:,} of {steps:,} ({now - started - write_s:.0f} s after the last write)",
+            flush=True,
+        )
     rollup_wait_s = time.perf_counter() - started - write_s
     worker.stop()
     engine.dispose()
     print(f"  rolled up {rollup_wait_s:.1f} s after the last write", flush=True)
-    return {"points": points, "write_s": write_s, "rollup_wait_s": rollup_wait_s}
+    return {
+        "points": points,
+        "write_s": write_s,
+        "rollup_wait_s": rollup_wait_s,
+        # The worker's pace over the whole run: it starts with the first chunk and ends with the last.
+        "rollup_values_per_s": points / (write_s + rollup_wait_s),
+    }
 
 
 def _get(url: str) -> tuple[float, int]:
@@ -199,7 +220,8 @@ def bench(backend: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         print(
             f"{backend}: run page open median {result['open_s_median']:.3f} s over {args.repeats} "
             f"(target < {TARGET_S:.0f} s: {'met' if result['open_s_median'] < TARGET_S else 'MISSED'}), "
-            f"{result['bytes'] / 1e6:.2f} MB",
+            f"{result['bytes'] / 1e6:.2f} MB; written in {written['write_s']:.0f} s, rolled up "
+            f"{written['rollup_wait_s']:.0f} s later ({written['rollup_values_per_s']:,.0f} values/s)",
             flush=True,
         )
         for path, seconds in sorted(calls.items(), key=lambda kv: -kv[1]):
