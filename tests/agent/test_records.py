@@ -143,6 +143,52 @@ def test_nan_from_step_n_names_the_module(receiver: Receiver, fast: dict[str, An
         assert isinstance(batch["tensors"]["stats"]["amax"]["fc1"][i], float)
 
 
+def test_every_step_reports_its_own_grad_norm_and_activation_checks(
+    receiver: Receiver, fast: dict[str, Any]
+) -> None:
+    """The agent writes each step's grad norm and activation sums into a reused ring of buffers: over
+    many transfers and ring turns, every record holds its own step's values, and a NaN in one module's
+    output on one step only (masked before the loss) flags that step and no other."""
+
+    class Blip(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return x + float("nan") if self.calls == 23 else x
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.blip, self.fc2 = nn.Linear(8, 16), Blip(), nn.Linear(16, 1)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            hidden = torch.nan_to_num(self.blip(torch.relu(self.fc1(x))), nan=0.0)  # the loss stays finite
+            return nn.functional.mse_loss(self.fc2(hidden), y)
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    watch = stepwatch.attach(model, opt, run="own-values", url=receiver.url, track=["blip"], **fast)
+    gen = torch.Generator().manual_seed(3)
+    norms = []
+    for _ in range(75):  # over four turns of the ring (_collect.RING_ROWS)
+        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen) * 10
+        model(x, y).backward()
+        norms.append(float(nn.utils.get_total_norm([p.grad for p in model.parameters()])))
+        opt.step()
+        opt.zero_grad()
+    watch.close(timeout_s=5)
+    records = receiver.records()
+    assert [records[s]["grad_norm"] for s in range(1, 76)] == pytest.approx(norms, rel=1e-5)
+    assert [s for s in range(1, 76) if records[s]["nonfinite.activations"]] == [23]
+    assert all(records[s]["nonfinite.loss"] == records[s]["nonfinite.grads"] == 0 for s in range(1, 76))
+    events = [e for b in receiver.accepted() for e in b.get("events", []) if e["kind"] == "nonfinite"]
+    assert [(e["step"], e["data"]["module"]) for e in events] == [(23, "blip")]
+
+
 def test_phase_and_heartbeat_while_the_training_thread_is_blocked(
     receiver: Receiver, fast: dict[str, Any]
 ) -> None:

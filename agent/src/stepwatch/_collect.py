@@ -26,10 +26,44 @@ from ._step import Step, find_loss, first_tensor, log_one, resumed_step, valid_n
 logger = logging.getLogger("stepwatch")
 
 STEPS_PER_TRANSFER = 8  # device values of this many steps share one copy to the host
+# Rows of the ring: a row is written again this many steps after it was handed out, and a step's values
+# are copied out by the transfer at most STEPS_PER_TRANSFER + 2 steps after (pending, done, current).
+RING_ROWS = 2 * STEPS_PER_TRANSFER + 2
 _grad_enabled = torch.is_grad_enabled
 _aminmax = torch.aminmax
+_sum = torch.sum
+_vector_norm = torch.linalg.vector_norm
 _f32 = torch.float32
 _perf = time.perf_counter
+
+
+class Ring:
+    """Preallocated float32 rows the per-step device values are written into (`out=`), so that the hooks
+    allocate no tensor on most steps.
+
+    Small tensors made on every step and kept until the transfer sit between the model's large
+    activation buffers in the allocator's heap. On a CPU (mlp-wide-batch in bench/agent_overhead.py)
+    that cost the training thread about 100 extra minor page faults per step, which went away when
+    glibc's trim and mmap thresholds were raised, and go away with this ring. A row holds one step:
+    item 0 the grad norm, item 1 + slot the sum of tracked module `slot`. Rows are reused after
+    RING_ROWS steps. They grow (a new buffer; steps in flight keep the old one alive) when modules
+    appear; a module beyond a row's width, on another device, or called twice in a step takes the
+    allocating path. Sampled steps' (min, max) pairs allocate too (one step in `amax_every`).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.width = 0
+        self.rows: list[tuple[torch.Tensor, ...]] = []
+        self.next = 0
+
+    def row(self, modules: int) -> tuple[torch.Tensor, ...]:
+        if modules + 1 > self.width:
+            self.width = max(16, 2 * (modules + 1))
+            buffer = torch.zeros((RING_ROWS, self.width), dtype=_f32, device=self.device)
+            self.rows = [tuple(buffer[i].unbind()) for i in range(RING_ROWS)]
+        self.next = (self.next + 1) % RING_ROWS
+        return self.rows[self.next]
 
 
 class Collector:
@@ -60,7 +94,8 @@ class Collector:
             torch.zeros((), device=self.device),
         )
         self._step = config.start_step if config.start_step is not None else resumed_step(optimizer)
-        self._cur = Step(0, self._sampled(self._step + 1))
+        self._ring = Ring(self.device)
+        self._cur = self._new_step()
         self._done: tuple[Step, int, float, Any, Any] | None = None  # finished step, not yet finalized
         self._pending: list[StepRecord] = []
         self._prev_end_host = _perf()
@@ -83,6 +118,10 @@ class Collector:
             optimizer.register_step_pre_hook(self._on_step_pre),
             optimizer.register_step_post_hook(self._on_step_post),
         ]
+
+    def _new_step(self) -> Step:
+        n = len(self._order)
+        return Step(n, self._sampled(self._step + 1), self._ring.row(n))
 
     def _sampled(self, step: int) -> bool:
         """Steps that ship amax and per-parameter grad norms (every `amax_every`-th)."""
@@ -122,9 +161,14 @@ class Collector:
                     acts[slot] = pair
                 else:
                     # Other steps only need "was anything non-finite": one float32 sum, a single
-                    # output and about half the work of aminmax (NaN and Inf propagate into it).
-                    total = out.detach().sum(dtype=_f32)
-                    acts[slot] = total if old is None else old + total  # type: ignore[operator]
+                    # output and about half the work of aminmax (NaN and Inf propagate into it),
+                    # written into this step's ring row.
+                    row = cur.row
+                    if old is None and slot + 1 < len(row) and out.device == self.device:
+                        acts[slot] = _sum(out.detach(), None, dtype=_f32, out=row[slot + 1])
+                    else:
+                        total = out.detach().sum(dtype=_f32)
+                        acts[slot] = total if old is None else old + total  # type: ignore[operator]
             except Exception as exc:
                 self.guard.fail("amax", exc)
 
@@ -208,7 +252,10 @@ class Collector:
             # per-tensor vector_norm or dot); float32 so that fp16 norms do not overflow.
             norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
             cur.hook_names.append("grad_norm")
-            cur.scalars.append(torch.linalg.vector_norm(norms))
+            if cur.row and norms.device == self.device:
+                cur.scalars.append(_vector_norm(norms, out=cur.row[0]))
+            else:
+                cur.scalars.append(_vector_norm(norms))
             if cur.sampled:
                 cur.grads = (norms.to(self.device, non_blocking=True), self._names_of(params))
         except Exception as exc:
@@ -249,7 +296,7 @@ class Collector:
             cur.host["time.data_ms"] = cur.data_ms
             self._prev_end, self._prev_end_host = end, end_host
             self._done = (cur, self._step, ts, prev_end, end)
-            self._cur = Step(len(self._order), self._sampled(self._step + 1))
+            self._cur = self._new_step()
             self.live.last_step = self._step
             self.live.phase = "data"
         except Exception as exc:

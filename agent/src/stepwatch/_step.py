@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -74,15 +74,19 @@ class Step:
         "loss_sum",
         "n_fwd",
         "opt_start",
+        "row",
         "sampled",
         "scalars",
     )
 
-    def __init__(self, n_amax: int, sampled: bool) -> None:
+    def __init__(self, n_amax: int, sampled: bool, row: Sequence[torch.Tensor] = ()) -> None:
         # Per tracked module slot: (min, max) when `sampled` (amax is shipped), else the float32 sum,
         # which is non-finite exactly when an element is (or the sum overflows float32, ~3e38).
         self.acts: list[Act | None] = [None] * n_amax
         self.sampled = sampled
+        # 0-dim float32 views of one row of the collector's ring (`_collect.Ring`): where this step's
+        # grad norm (item 0) and per-module sums (item 1 + slot) are written, allocating nothing.
+        self.row = row
         self.hook_names: list[str] = []  # names of the device scalars from the hooks (grad_norm, lr)
         self.scalars: list[torch.Tensor] = []  # their 0-dim device values; becomes the record's list
         self.logs: dict[str, torch.Tensor] = {}  # 0-dim device values from watch.log()
