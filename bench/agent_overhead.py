@@ -233,6 +233,20 @@ class StepwatchVariant(Variant):
             self._receiver_cm.__exit__(None, None, None)
 
 
+class StepwatchNoRingVariant(StepwatchVariant):
+    """Diagnostic: the same agent with its ring switched off, so that every step's grad norm and
+    activation sums are fresh tensors kept until the transfer (the agent before the ring)."""
+
+    name = "stepwatch-no-ring"
+
+    def setup(self) -> None:
+        super().setup()
+        collector = self.watch._collector  # private: a diagnostic, not an API
+        collector._ring.row = lambda modules: ()
+        collector._cur.row = ()
+        self.note += "; ring off"
+
+
 class ToolVariant(Variant):
     """A training step that computes the same values and hands them to one logging tool."""
 
@@ -365,6 +379,7 @@ class MlflowVariant(ToolVariant):
 VARIANTS: dict[str, type[Variant]] = {
     "bare": Variant,
     "stepwatch": StepwatchVariant,
+    "stepwatch-no-ring": StepwatchNoRingVariant,
     "values-only": ValuesOnlyVariant,
     "floor": FloorVariant,
     "wandb-offline": WandbVariant,
@@ -540,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--variants",
         nargs="+",
-        default=list(VARIANTS),
+        default=[v for v in VARIANTS if v != "stepwatch-no-ring"],
         help="bare first; names separated by spaces or commas (" + ", ".join(VARIANTS) + ")",
     )
     parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import datetime as dt
 import json
 import statistics
@@ -198,35 +199,83 @@ def open_page(base: str, pool: concurrent.futures.ThreadPoolExecutor) -> tuple[f
     return time.perf_counter() - started, per_call, size
 
 
+def written_before(database_url: str) -> dict[str, Any] | None:
+    """The size of the run a kept database already holds (--sqlite-file), or None."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            row = conn.execute(
+                text(
+                    "SELECT world_size, (SELECT max(last_step) FROM ranks WHERE run_id = runs.id) FROM runs WHERE name = :n"
+                ),
+                {"n": RUN},
+            ).first()
+    except Exception:
+        return None
+    finally:
+        engine.dispose()
+    return None if row is None else {"ranks": row[0], "steps": row[1], "reused": True}
+
+
 def bench(backend: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    with _servers.database(backend, "dashboard", tmp) as url, _servers.collector(url) as server:
-        print(f"{backend}: writing {args.steps:,} steps x {args.ranks} ranks", flush=True)
-        written = write_run(url, args.steps, args.ranks, args.modules)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
-            opens = [open_page(server.url, pool) for _ in range(args.repeats)]
-        walls = [o[0] for o in opens]
-        calls = {path: statistics.median(o[1][path] for o in opens) for path in opens[0][1]}
-        result = {
-            "backend": backend,
-            "steps": args.steps,
-            "ranks": args.ranks,
-            "modules": args.modules,
-            **written,
-            "open_s_median": statistics.median(walls),
-            "open_s_all": walls,
-            "bytes": opens[-1][2],
-            "calls_s_median": calls,
-        }
-        print(
-            f"{backend}: run page open median {result['open_s_median']:.3f} s over {args.repeats} "
-            f"(target < {TARGET_S:.0f} s: {'met' if result['open_s_median'] < TARGET_S else 'MISSED'}), "
-            f"{result['bytes'] / 1e6:.2f} MB; written in {written['write_s']:.0f} s, rolled up "
-            f"{written['rollup_wait_s']:.0f} s later ({written['rollup_values_per_s']:,.0f} values/s)",
-            flush=True,
-        )
-        for path, seconds in sorted(calls.items(), key=lambda kv: -kv[1]):
-            print(f"    {seconds:8.3f} s  {path}", flush=True)
-        return result
+    kept = backend == "sqlite" and args.sqlite_file is not None
+    place = (
+        contextlib.nullcontext(f"sqlite:///{args.sqlite_file.resolve()}")
+        if kept
+        else _servers.database(backend, "dashboard", tmp)
+    )
+    with place as url, _servers.collector(url) as server:  # the collector applies the migrations first
+        before = written_before(url) if kept else None
+        if before is not None:
+            if (before["steps"], before["ranks"]) != (args.steps, args.ranks):
+                raise SystemExit(
+                    f"{args.sqlite_file} holds {before['steps']:,} steps x {before['ranks']} ranks, not "
+                    f"{args.steps:,} x {args.ranks}: pass those sizes or another --sqlite-file"
+                )
+            print(
+                f"{backend}: reusing {args.sqlite_file} ({args.steps:,} steps x {args.ranks} ranks)",
+                flush=True,
+            )
+            written: dict[str, Any] = before
+        else:
+            print(f"{backend}: writing {args.steps:,} steps x {args.ranks} ranks", flush=True)
+            written = write_run(url, args.steps, args.ranks, args.modules)
+        return measure(backend, args, server, written)
+
+
+def measure(backend: str, args: argparse.Namespace, server: Any, written: dict[str, Any]) -> dict[str, Any]:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+        opens = [open_page(server.url, pool) for _ in range(args.repeats)]
+    walls = [o[0] for o in opens]
+    calls = {path: statistics.median(o[1][path] for o in opens) for path in opens[0][1]}
+    result = {
+        "backend": backend,
+        "steps": args.steps,
+        "ranks": args.ranks,
+        "modules": args.modules,
+        **written,
+        "open_s_median": statistics.median(walls),
+        "open_s_all": walls,
+        "bytes": opens[-1][2],
+        "calls_s_median": calls,
+    }
+    print(
+        f"{backend}: run page open median {result['open_s_median']:.3f} s over {args.repeats} "
+        f"(target < {TARGET_S:.0f} s: {'met' if result['open_s_median'] < TARGET_S else 'MISSED'}), "
+        f"{result['bytes'] / 1e6:.2f} MB"
+        + (
+            ""
+            if written.get("reused")
+            else f"; written in {written['write_s']:.0f} s, rolled up {written['rollup_wait_s']:.0f} s "
+            f"later ({written['rollup_values_per_s']:,.0f} values/s)"
+        ),
+        flush=True,
+    )
+    for path, seconds in sorted(calls.items(), key=lambda kv: -kv[1]):
+        print(f"    {seconds:8.3f} s  {path}", flush=True)
+    return result
 
 
 def main() -> int:
@@ -237,6 +286,12 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--backends", default="sqlite", help="comma-separated: sqlite,postgresql")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument(
+        "--sqlite-file",
+        type=Path,
+        default=None,
+        help="SQLite: write the run into this file and keep it; a file that holds it already is reused",
+    )
     args = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory(prefix="stepwatch-dashboard-bench-") as tmp:
