@@ -4,8 +4,9 @@
 --fault KIND --fault-rank F --fault-step S --steps N --deadline-s D` trains a tiny MLP on the CPU with
 `stepwatch.attach(...)` and, on rank F from step S on, injects KIND for real inside the process:
 
-- `slow_forward`: the `slow` module sleeps in its forward (the rank computes slower; the others wait for
-  it in the gradient all-reduce inside backward);
+- `slow_forward`: the `slow` module, which on every rank waits `DEVICE_FORWARD_S` (a device's compute
+  time), sleeps `SLOW_FORWARD_S` longer (the rank computes slower; the others wait for it in the gradient
+  all-reduce inside backward);
 - `stop`: the rank stops stepping (sleeps before its next forward until the deadline); the others block in
   their all-reduce;
 - `nan`: the `poison` module returns NaN; like a mixed-precision loop, every rank skips the optimizer step
@@ -34,6 +35,11 @@ WIDTH = 64
 BATCH = 32
 LEAK_FLOATS_PER_STEP = 1 << 18  # 1 MB of float32 kept per step
 SLOW_FORWARD_S = 0.02
+# Every rank's forward also waits this long, standing for a device's steady compute time: a bare CPU forward
+# of this tiny MLP takes ~0.7 ms, and on a loaded 2-core machine its scheduler jitter (p90 2.2 ms) made the
+# healthy ranks' forward ratios as noisy as a straggler's clipped signal (the straggler test failed 1 run in
+# 3 beside a CPU-burning process). Real forwards take milliseconds or more.
+DEVICE_FORWARD_S = 0.008
 DATA_MS = 5.0  # a data loader's pace: also keeps 4 processes from saturating a 2-core machine
 
 
@@ -46,10 +52,10 @@ class Fault(torch.nn.Module):
         self.active = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.active:
-            return x
         if self.kind == "slow_forward":
-            time.sleep(SLOW_FORWARD_S)
+            time.sleep(DEVICE_FORWARD_S + (SLOW_FORWARD_S if self.active else 0.0))
+            return x
+        if not self.active:
             return x
         return x * float("nan")
 
