@@ -200,23 +200,24 @@ def open_page(base: str, pool: concurrent.futures.ThreadPoolExecutor) -> tuple[f
 
 
 def written_before(database_url: str) -> dict[str, Any] | None:
-    """The size of the run a kept database already holds (--sqlite-file), or None."""
-    from sqlalchemy import create_engine, text
+    """The size of the run a kept database (--sqlite-file) already holds, or None. Its steps are those
+    rolled up (the watermark), so a write that was interrupted does not pass for a whole run."""
+    from sqlalchemy import select
 
-    engine = create_engine(database_url)
+    from stepwatch_server.storage import make_engine
+    from stepwatch_server.storage.models import RollupMark, Run
+
+    engine = make_engine(database_url)
     try:
         with engine.connect() as conn:
             row = conn.execute(
-                text(
-                    "SELECT world_size, (SELECT max(last_step) FROM ranks WHERE run_id = runs.id) FROM runs WHERE name = :n"
-                ),
-                {"n": RUN},
+                select(Run.world_size, RollupMark.rolled_to)
+                .outerjoin(RollupMark, RollupMark.run_id == Run.id)
+                .where(Run.name == RUN)
             ).first()
-    except Exception:
-        return None
     finally:
         engine.dispose()
-    return None if row is None else {"ranks": row[0], "steps": row[1], "reused": True}
+    return None if row is None else {"ranks": row[0], "steps": row[1] or 0, "reused": True}
 
 
 def bench(backend: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
@@ -231,8 +232,8 @@ def bench(backend: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         if before is not None:
             if (before["steps"], before["ranks"]) != (args.steps, args.ranks):
                 raise SystemExit(
-                    f"{args.sqlite_file} holds {before['steps']:,} steps x {before['ranks']} ranks, not "
-                    f"{args.steps:,} x {args.ranks}: pass those sizes or another --sqlite-file"
+                    f"{args.sqlite_file} holds {before['steps']:,} rolled-up steps x {before['ranks']} ranks, "
+                    f"not {args.steps:,} x {args.ranks}: pass those sizes, or delete it (an interrupted write)"
                 )
             print(
                 f"{backend}: reusing {args.sqlite_file} ({args.steps:,} steps x {args.ranks} ranks)",
