@@ -22,7 +22,7 @@ from stepwatch_server.ingest.store import POINT_COLUMNS, PointRow, insert_points
 from stepwatch_server.runs import queries, rollups
 from stepwatch_server.runs.rollup_worker import RollupWorker
 from stepwatch_server.storage import make_engine, upgrade
-from stepwatch_server.storage.models import Point, Run, Series, StepRollup
+from stepwatch_server.storage.models import Point, RankRollup, Run, Series, StepRollup
 from tests.service.conftest import Collector, steps_batch
 
 RANKS = 3
@@ -45,11 +45,13 @@ def worker(engine: Engine) -> Iterator[RollupWorker]:
     worker.stop()
 
 
-def _assert_rollups_equal_raw(conn: Connection, ids: dict[str, int], all_ranks: bool) -> None:
+def _assert_rollups_equal_raw(conn: Connection, ids: dict[str, int], all_ranks: bool, level: int = 0) -> None:
     for sid in ids.values():
-        raw = _raw_buckets(conn, sid, all_ranks)
-        read = rollups.read_steps if all_ranks else rollups.read
-        got = _rolled(read(conn, [sid], None, None))
+        raw = _raw_buckets(conn, sid, all_ranks, rollups.level_steps(level))
+        if all_ranks:
+            got = _rolled(rollups.read_steps(conn, [sid], None, None))
+        else:
+            got = _rolled(rollups.read(conn, [sid], None, None, level))
         assert got.keys() == raw.keys()
         for key, expected in raw.items():
             n, total, lo, hi, bad = got[key]
@@ -109,12 +111,15 @@ def _write(
     return ids
 
 
-def _raw_buckets(conn: Connection, sid: int, all_ranks: bool) -> dict[tuple[int, int], tuple[float, ...]]:
-    """(rank, bucket) -> (n, total, lo, hi, nonfinite), aggregated from the raw series."""
+def _raw_buckets(
+    conn: Connection, sid: int, all_ranks: bool, width: int = rollups.BUCKET_STEPS
+) -> dict[tuple[int, int], tuple[float, ...]]:
+    """(rank, bucket of `width` steps) or (ALL_RANKS, step) -> (n, total, lo, hi, nonfinite), from the
+    raw series."""
     out: dict[tuple[int, int], list[float]] = {}
     for s in queries.read_points(conn, [sid], None, None, None):
         for step, value in zip(s.steps.tolist(), s.values.tolist(), strict=True):
-            key = (rollups.ALL_RANKS, step) if all_ranks else (s.rank, step // rollups.BUCKET_STEPS)
+            key = (rollups.ALL_RANKS, step) if all_ranks else (s.rank, step // width)
             n, total, lo, hi, bad = out.setdefault(key, [0, 0.0, np.inf, -np.inf, 0])
             if np.isfinite(value):
                 out[key] = [n + 1, total + value, min(lo, value), max(hi, value), bad]
@@ -147,6 +152,9 @@ def test_rollups_equal_the_raw_aggregation_across_a_restart(
     with engine.connect() as conn:
         assert rollups.rolled_to(conn, list(ids.values())) == STEPS - 1  # read from the rollup tables
         _assert_rollups_equal_raw(conn, ids, all_ranks)
+        if not all_ranks:  # every level (buckets of 128 .. 1024 steps here), the restart's mixed ones too
+            for level in range(1, 5):
+                _assert_rollups_equal_raw(conn, ids, False, level)
         # the restart: rank 1's steps 630..1023 are incarnation 2's (102.0), not incarnation 1's (~2)
         rank1 = _rolled(rollups.read(conn, [ids["loss"]], 576, 1023))
         assert rank1[(1, 10)][2:4] == (102.0, 102.0) and rank1[(1, 10)][0] == 64
@@ -201,27 +209,70 @@ def test_amax_curve_is_the_max_over_ranks(engine: Engine, worker: RollupWorker) 
     assert values.max() == 90.0 and steps[values.argmax()] == 325
 
 
-def _assert_heatmap_equals_raw(conn: Connection, sid: int, mode: str, per_column: int) -> None:
-    buckets = -(-STEPS // (rollups.BUCKET_STEPS * per_column))  # columns from step 0, whole buckets
-    raw = heatmap(queries.read_points(conn, [sid], None, None, None), buckets, mode)
-    rolled = heatmap_from_rollups(conn, sid, 0, (STEPS - 1) // rollups.BUCKET_STEPS, buckets, mode)
-    assert raw["bucket_steps"] == rolled["bucket_steps"] == rollups.BUCKET_STEPS * per_column
+def _assert_heatmap_equals_raw(conn: Connection, sid: int, mode: str, columns: int) -> None:
+    """`columns` of 1024 steps: 16 -> level 0 (64-step columns), 8 -> level 1, ... 1 -> level 4."""
+    raw = heatmap(queries.read_points(conn, [sid], None, None, None), columns, mode)
+    rolled = heatmap_from_rollups(conn, sid, 0, STEPS - 1, columns, mode)
+    assert raw["bucket_steps"] == rolled["bucket_steps"] == STEPS // columns
     assert np.array_equal(raw["steps"], rolled["steps"]) and np.array_equal(raw["ranks"], rolled["ranks"])
     matrix = np.array(rolled["values"], dtype=np.float64)  # None (an empty cell) -> nan
     assert np.allclose(matrix, np.array(raw["values"], dtype=np.float64), atol=2e-4, equal_nan=True)
     assert np.allclose(np.array(rolled["median"], float), np.array(raw["median"], float), equal_nan=True)
-    assert (matrix[1][-3:] > 40).all()  # rank 1's incarnation 2 (102.0 against ~2.0), mixed cells included
+    assert matrix[1][-1] > 10  # rank 1's incarnation 2 (102.0 against ~2.0 from step 630) in a mixed cell
 
 
 @pytest.mark.parametrize("mode", ["median", "absolute"])
-@pytest.mark.parametrize("per_column", [1, 2])
+@pytest.mark.parametrize("columns", [16, 8, 4, 2, 1])
 def test_heatmap_from_rollups_equals_the_raw_heatmap(
-    engine: Engine, worker: RollupWorker, mode: str, per_column: int
+    engine: Engine, worker: RollupWorker, mode: str, columns: int
 ) -> None:
-    """Columns of one and of two rollup buckets, the restart's mixed cells included."""
+    """Columns of each level's buckets (64 to 1024 steps), the restart's mixed cells included."""
     ids = _write(engine, worker)
     with engine.connect() as conn:
-        _assert_heatmap_equals_raw(conn, ids["loss"], mode, per_column)
+        _assert_heatmap_equals_raw(conn, ids["loss"], mode, columns)
+
+
+def test_a_long_run_heatmap_reads_one_row_per_cell_of_a_coarse_level(
+    engine: Engine, worker: RollupWorker
+) -> None:
+    """2 ranks, a value every 1000th step up to step 999,000: 240 columns come from level 7 (4,096-step
+    buckets would be 244 columns, 8,192-step ones are 122), and past the coarsest
+    level (262,144 steps) two buckets are summed per column. Only whole buckets are stored at
+    levels above 0 (the last step, 999,000, ends none of them)."""
+    now = dt.datetime.now(dt.UTC)
+    with engine.begin() as conn:
+        run_id = conn.execute(
+            insert(Run).values(name="long", world_size=2, created_at=now, last_seen_at=now).returning(Run.id)
+        ).scalar_one()
+        sid = conn.execute(
+            insert(Series).values(run_id=run_id, stat="", name="time.forward_ms").returning(Series.id)
+        ).scalar_one()
+        steps = np.arange(0, 1_000_000, 1000)
+        rows = [(sid, rank, int(s), 1, float(s % 7000 + rank)) for rank in (0, 1) for s in steps]
+        insert_points(conn, rows)
+    worker.submit(run_id, 0, int(steps[-1]))
+    assert worker.wait_idle(CATCH_UP_S)
+    with engine.connect() as conn:
+        for columns, level, steps_per_column in ((240, 7, 8192), (4, 12, 262_144), (2, 12, 524_288)):
+            assert rollups.column_level(0, 999_000, columns) == level
+            cells, start, width = rollups.read_columns(conn, sid, 0, 999_000, columns)
+            assert (start, width) == (0, steps_per_column)
+            expected = _raw_buckets(conn, sid, False, width)
+            assert _rolled(cells).keys() == expected.keys()
+            for key, (n, total, lo, hi, bad) in _rolled(cells).items():
+                assert (n, bad, lo, hi) == (
+                    expected[key][0],
+                    expected[key][4],
+                    expected[key][2],
+                    expected[key][3],
+                )
+                assert total == pytest.approx(expected[key][1])
+        top = (
+            conn.execute(select(RankRollup.bucket).where(RankRollup.series_id == sid, RankRollup.level == 12))
+            .scalars()
+            .all()
+        )
+        assert sorted(set(top)) == [0, 1, 2]  # steps 0..786,431 whole; bucket 3 (786,432..) ends past 999,000
 
 
 @pytest.mark.parametrize("hand_over_below", [0, 500], ids=["nothing-rolled-up", "rolled-up-to-499"])
@@ -241,7 +292,10 @@ def test_reads_are_complete_before_the_worker_caught_up(
         assert np.allclose(values, [raw[s] for s in steps.tolist()], equal_nan=True)
         steps, values = rollups.across_ranks(conn, [ids["loss"]], None, None, 64).mean_curve()
         assert pytest.approx((2.0 + 102.0 + 2.0) / 3, abs=0.05) in values.tolist()  # the raw tail's restart
-        _assert_heatmap_equals_raw(conn, ids["loss"], "median", 2)
+        for columns in (16, 2):  # level 4's bucket reaches past the watermark: summed from the levels below
+            _assert_heatmap_equals_raw(conn, ids["loss"], "median", columns)
+        for level in range(1, 5):
+            _assert_rollups_equal_raw(conn, ids, False, level)
         assert rollups.step_range(conn, [ids["loss"]], None, None) == (0, STEPS - 1, 3 * STEPS - 324 + 394)
 
 
@@ -273,9 +327,10 @@ def test_the_migration_rolls_up_the_values_already_stored(database_url: str) -> 
                 insert(Point), [dict(zip(POINT_COLUMNS, r, strict=True)) for r in rows]
             ),
         )
-        upgrade(engine)
+        upgrade(engine)  # 0004 rolls them up at 64 steps, 0005 sums the coarser levels from those
         with engine.connect() as conn:
-            _assert_rollups_equal_raw(conn, ids, False)
+            for level in range(5):
+                _assert_rollups_equal_raw(conn, ids, False, level)
             _assert_rollups_equal_raw(conn, ids, True)
     finally:
         engine.dispose()

@@ -7,7 +7,8 @@ steps in columns; each cell is the rank's mean over the bucket's steps divided b
 ranks' means in that bucket, so 1.0 is "like its peers" and a straggler is a bright horizontal line
 from the step it started. Absolute mode (memory) keeps each bucket's maximum instead, so a one-step
 peak is not averaged away. Everything is vectorised: one bincount over all (rank, bucket) cells.
-On a big run the cells come from the rollups (runs/rollups.py) instead of the raw points.
+On a big run the cells come from the rank rollups (runs/rollups.py) instead of the raw points: columns
+of whole rollup buckets, as wide as the level that gives at most the columns asked for.
 """
 
 from __future__ import annotations
@@ -56,17 +57,16 @@ def heatmap(series: Sequence[RankSeries], buckets: int, mode: str) -> dict[str, 
 
 
 def heatmap_from_rollups(
-    conn: Connection, sid: int, first: int, last: int, buckets: int, mode: str
+    conn: Connection, sid: int, first_step: int, last_step: int, buckets: int, mode: str
 ) -> dict[str, Any]:
-    """The same matrix from the per-(rank, bucket) rollups of series `sid`, rollup buckets
-    `first`..`last`: columns are whole rollup buckets wide, summed in SQL (runs/rollups.py)."""
-    per_column = max(1, -(-(last - first + 1) // buckets))  # rollup buckets per column
-    cells = rollups.read_columns(conn, sid, first, last, per_column)
+    """The same matrix from the rank rollups of series `sid` over first_step..last_step: columns are
+    whole buckets of the rollup level that fits at most `buckets` of them (runs/rollups.py), so one
+    stored row per rank and column is read."""
+    cells, start, width = rollups.read_columns(conn, sid, first_step, last_step, buckets)
     cells = cells.take(np.flatnonzero(cells.n > 0))
     if cells.n.size == 0:
         return _empty()
-    width = per_column * rollups.BUCKET_STEPS
-    starts = np.arange(first * rollups.BUCKET_STEPS, (last + 1) * rollups.BUCKET_STEPS, width, dtype=np.int64)
+    starts = np.arange(start, last_step + 1, width, dtype=np.int64)
     ranks, row = np.unique(cells.rank, return_inverse=True)
     index = row * starts.shape[0] + cells.bucket
     size = ranks.shape[0] * starts.shape[0]

@@ -60,9 +60,8 @@ def get_heatmap(
             f"metric {metric!r} not found in run {run!r}; GET /api/v1/runs/{run} lists them", field="metric"
         )
     found_steps = rollups.step_range(conn, list(ids), from_step, to_step)
-    if found_steps is not None and found_steps[2] > rollups.RAW_READ_BUDGET:  # sum the rollups in SQL
-        first, last = found_steps[0] // rollups.BUCKET_STEPS, found_steps[1] // rollups.BUCKET_STEPS
-        cells = heatmap_from_rollups(conn, next(iter(ids)), first, last, buckets, mode)
+    if found_steps is not None and found_steps[2] > rollups.RAW_READ_BUDGET:  # one rollup row per cell
+        cells = heatmap_from_rollups(conn, next(iter(ids)), found_steps[0], found_steps[1], buckets, mode)
         return json_response({"metric": metric, "mode": mode, **cells})
     series = queries.read_points(conn, list(ids), None, from_step, to_step)
     return json_response({"metric": metric, "mode": mode, **heatmap(series, buckets, mode)})

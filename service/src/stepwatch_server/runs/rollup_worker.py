@@ -6,7 +6,7 @@ returns, so ingest never waits and never touches a shared rollup row. Every `ROU
 thread takes the dirty ranges that are due (no new batch for `QUIET_S`, or dirty for `MAX_LAG_S`:
 while every rank keeps sending the same steps, re-reading them each round would cost more than
 ingest itself) and recomputes each from the raw points
-(`rollups.roll_up`: a DELETE and an INSERT ... SELECT ... GROUP BY per table and run, then the run's
+(`rollups.roll_up`: a DELETE and an INSERT ... SELECT ... GROUP BY per table, level and run, then the run's
 watermark), one short write transaction per run. A range of more than about `MAX_VALUES_PER_ROUND`
 values (series x ranks x steps) is done in slices of whole 64-step buckets, one transaction each
 (the rest stays dirty, due at once), so a backlog never holds the write lock long.

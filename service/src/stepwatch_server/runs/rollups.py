@@ -4,43 +4,52 @@ A run of 100,000 steps x 512 ranks holds 51 million values per metric; no page c
 seconds. So two tables are kept off the ingest path by the rollup worker (runs/rollup_worker.py):
 after each commit ingest hands it the batch's run and step range, and about every half second it
 recomputes the dirty ranges from the raw points, set-based (`roll_up`: per run one DELETE and one
-INSERT ... SELECT ... GROUP BY per table, in one short transaction):
+INSERT ... SELECT ... GROUP BY per table and level, in one short transaction):
 
 - `step_rollups`: per (series, step, incarnation), over every rank: what the curves (mean over
   ranks) and the amax (max over ranks) need. A view groups these rows in SQL into at most about
   `max_points / 2` groups and keeps each group's lowest and highest per-step mean (and highest
   maximum), so a one-step spike survives; 100k steps are 100k rows, read by the database, not by
   Python.
-- `rollups`: per (series, rank, bucket of BUCKET_STEPS steps, incarnation): the heatmaps (ranks x
-  steps). A wide heatmap sums these in SQL into its columns; 100k steps x 512 ranks are 800k rows.
+- `rank_rollups`: per (series, level, rank, bucket, incarnation), for the heatmaps (ranks x steps).
+  Level 0's buckets are BUCKET_STEPS (64) steps wide, summed from the raw points; each level above
+  has buckets twice as wide, summed from the two below (`_roll_levels`), up to LEVELS - 1 (262,144
+  steps). A heatmap asked for C columns reads the finest level with at most C buckets in its range
+  (`column_level`): one stored row per rank and column, in primary-key order, nothing grouped by
+  the database. 100k steps x 512 ranks in 240 columns are 196 x 512 rows of level 3, where level 0
+  alone would mean grouping 800k rows. Levels above 0 hold whole buckets only (those wholly up to
+  the watermark); the part of a range past a level's last whole bucket is summed from the level
+  below, down to the raw points.
 
 `n`, `total`, `lo`, `hi` cover the finite values only; `nonfinite` counts NaN and infinities, so a
 NaN is never averaged away: a step or group that holds one is shown as NaN.
 
 Resumed runs: a step re-sent by a later incarnation replaces the earlier value in the raw series
 (the latest incarnation wins). Rollup rows are kept per incarnation, so a step, bucket or group
-that holds rows of more than one incarnation is recomputed from the raw points on read (only
-those around a restart), and every figure equals the aggregation of the raw series.
+that holds rows of more than one incarnation is recomputed on read (only those around a restart:
+a level's bucket from the level below, level 0's and a step's from the raw points), and every
+figure equals the aggregation of the raw series.
 
 The rollups lag ingest by about a round. `rollup_marks` holds per run the highest step rolled up
 (the watermark); every read here takes the rollups of the steps up to it (whole buckets for
-`rollups`) and aggregates the raw points above it (the last second or so), so a view is complete
+`rank_rollups`) and aggregates the raw points above it (the last second or so), so a view is complete
 while the worker catches up. A late batch for steps below the watermark (a slow rank) is in the raw
 series at once and in these views after the worker's next round.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from sqlalchemy import Connection, bindparam, func, literal, select, text
 
-from stepwatch_server.storage.models import AgentSession, Rollup, RollupMark, Series, StepRollup
+from stepwatch_server.storage.models import AgentSession, RankRollup, RollupMark, Series, StepRollup
 
-BUCKET_STEPS = 64
+BUCKET_STEPS = 64  # a level-0 rank rollup's bucket; level k's is BUCKET_STEPS << k steps wide
+LEVELS = 13  # levels 0..12: buckets of 64 .. 262,144 steps, each twice as wide as the one below
 ALL_RANKS = -1  # the rank of a step rollup (over every rank) where one key shape serves both
 RAW_READ_BUDGET = 200_000  # above this many raw values, a heatmap reads the rollups instead
 
@@ -75,13 +84,13 @@ def _roll_statements(ranked: bool) -> list[Any]:
     where = _in_range(ranked)
     return [
         _expanding(
-            f"DELETE FROM rollups WHERE series_id IN :ids AND bucket >= :first / {BUCKET_STEPS} "
+            f"DELETE FROM rank_rollups WHERE series_id IN :ids AND level = 0 AND bucket >= :first / {BUCKET_STEPS} "
             f"AND bucket <= :last / {BUCKET_STEPS}",
             False,
         ),
         _expanding(
-            f"INSERT INTO rollups (series_id, rank, bucket, incarnation, {_STAT_COLUMNS}) "
-            f"SELECT series_id, rank, step / {BUCKET_STEPS}, incarnation, {_STATS_SQL} FROM points "
+            f"INSERT INTO rank_rollups (series_id, level, rank, bucket, incarnation, {_STAT_COLUMNS}) "
+            f"SELECT series_id, 0, rank, step / {BUCKET_STEPS}, incarnation, {_STATS_SQL} FROM points "
             f"WHERE {where} GROUP BY series_id, rank, step / {BUCKET_STEPS}, incarnation",
             ranked,
         ),
@@ -95,6 +104,27 @@ def _roll_statements(ranked: bool) -> list[Any]:
             ranked,
         ),
     ]
+
+
+# A level's buckets lo..hi-1, summed from the level below (two buckets each).
+_LEVEL_ROLL = [
+    _expanding(
+        "DELETE FROM rank_rollups WHERE series_id IN :ids AND level = :level AND bucket >= :lo AND bucket < :hi",
+        False,
+    ),
+    _expanding(
+        f"INSERT INTO rank_rollups (series_id, level, rank, bucket, incarnation, {_STAT_COLUMNS}) "
+        "SELECT series_id, :level, rank, bucket / 2, incarnation, sum(n), sum(total), min(lo), max(hi), "
+        "sum(nonfinite) FROM rank_rollups WHERE series_id IN :ids AND level = :below "
+        "AND bucket >= :lo * 2 AND bucket < :hi * 2 GROUP BY series_id, rank, bucket / 2, incarnation",
+        False,
+    ),
+]
+
+
+def level_steps(level: int) -> int:
+    """The width in steps of a rank rollup bucket of `level`."""
+    return BUCKET_STEPS << level
 
 
 _ROLL = {ranked: _roll_statements(ranked) for ranked in (False, True)}
@@ -153,8 +183,24 @@ def roll_up(
             params["ranks"] = ranks
         for statement in _ROLL[ranks is not None]:
             conn.execute(statement, params)
+        _roll_levels(conn, list(ids), first, params["last"], max(mark, last_step))
     conn.execute(_MARK, {"run": run_id, "to": last_step})
     return last_step
+
+
+def _roll_levels(conn: Connection, ids: list[int], first: int, last: int, mark: int) -> None:
+    """Levels 1.. of the rank rollups: recompute each level's buckets that hold a step of first..last
+    (just rolled up at level 0) and lie wholly up to the watermark `mark`, from the level below,
+    finest level first. A bucket reaching above the watermark is left out until the round that
+    passes its end, so every stored bucket is whole and reads take the level below past the cut."""
+    for level in range(1, LEVELS):
+        width = level_steps(level)
+        lo, hi = first // width, min((mark + 1) // width, last // width + 1)
+        if lo >= hi:
+            continue  # no whole bucket of this level (nor of the coarser ones) changed
+        params = {"ids": ids, "level": level, "below": level - 1, "lo": lo, "hi": hi}
+        for statement in _LEVEL_ROLL:
+            conn.execute(statement, params)
 
 
 def rolled_to(conn: Connection, ids: list[int]) -> int:
@@ -244,35 +290,62 @@ def aggregate(keys: Sequence[np.ndarray], values: np.ndarray) -> tuple[list[np.n
     return [k[starts] for k in sorted_keys], [n, total, lo, hi, nonfinite]
 
 
-def bucket_range(from_step: int | None, to_step: int | None) -> tuple[int | None, int | None]:
-    return (
-        None if from_step is None else from_step // BUCKET_STEPS,
-        None if to_step is None else to_step // BUCKET_STEPS,
-    )
-
-
-def read(conn: Connection, ids: list[int], from_step: int | None, to_step: int | None) -> Buckets:
-    """The per-(series, rank, bucket) figures covering from_step..to_step (whole buckets): the
-    rollups of the buckets wholly up to the watermark, the raw points' aggregation above it."""
+def read(
+    conn: Connection, ids: list[int], from_step: int | None, to_step: int | None, level: int = 0
+) -> Buckets:
+    """Per (series, rank, bucket of `level_steps(level)` steps) covering from_step..to_step (whole
+    buckets): the rank rollups of the level's buckets wholly up to the watermark, the rest summed
+    from the level below (from the raw points below level 0)."""
     if not ids:
         return _empty()
-    cut = (rolled_to(conn, ids) + 1) // BUCKET_STEPS  # the first bucket not wholly rolled up
-    r = Rollup
-    query = select(r.series_id, r.rank, r.bucket, r.incarnation, r.n, r.total, r.lo, r.hi, r.nonfinite).where(
-        r.series_id.in_(ids), r.bucket < cut
-    )
-    first, last = bucket_range(from_step, to_step)
-    if first is not None:
-        query = query.where(r.bucket >= first)
-    if last is not None:
-        query = query.where(r.bucket <= last)
-    rows = conn.execute(query.order_by(r.series_id, r.rank, r.bucket, r.incarnation)).all()
-    rolled = _resolve(conn, rows, False, BUCKET_STEPS)
-    tail_first = max(cut, first or 0)
-    if last is not None and tail_first > last:
-        return rolled
-    tail_last = None if last is None else last * BUCKET_STEPS + BUCKET_STEPS - 1
-    return _merge(rolled, _from_points(conn, ids, tail_first * BUCKET_STEPS, tail_last, False, BUCKET_STEPS))
+    width = level_steps(level)
+    first, last = (from_step or 0) // width, None if to_step is None else to_step // width
+    ranks = run_ranks(conn, _run_ids(conn, ids))
+    return _read_level(conn, ids, level, first, last, rolled_to(conn, ids), ranks)
+
+
+def _read_level(
+    conn: Connection,
+    ids: list[int],
+    level: int,
+    first: int,
+    last: int | None,
+    mark: int,
+    ranks: list[int] | None,
+) -> Buckets:
+    """Buckets first..last (None: to the end) of `level`. The rows of the buckets below the cut (the
+    first bucket not wholly up to `mark`) come from the table, a bucket of several incarnations is
+    recomputed one level down, and the buckets from the cut on are summed from the level below: at
+    most one bucket per level is read that way, down to the raw points above the watermark."""
+    width = level_steps(level)
+    cut = (mark + 1) // width
+    parts: list[Buckets] = []
+    if first < cut:
+        r = RankRollup
+        query = select(
+            r.series_id, r.rank, r.bucket, r.incarnation, r.n, r.total, r.lo, r.hi, r.nonfinite
+        ).where(r.series_id.in_(ids), r.level == level, r.bucket >= first, r.bucket < cut)
+        if last is not None:
+            query = query.where(r.bucket <= last)
+        if ranks is not None:
+            query = query.where(r.rank.in_(ranks))  # the primary key (series, level, rank, bucket) is sought
+        rows = conn.execute(query.order_by(r.series_id, r.rank, r.bucket, r.incarnation)).all()
+
+        def exact(sid: int, bucket: int) -> Buckets:
+            if level == 0:
+                return _from_points(conn, [sid], bucket * width, bucket * width + width - 1, False, width)
+            return coarsen(_read_level(conn, [sid], level - 1, 2 * bucket, 2 * bucket + 1, mark, ranks), 2)
+
+        parts.append(_resolve(rows, exact))
+    tail = max(cut, first)
+    if last is None or tail <= last:
+        if level == 0:
+            tail_last = None if last is None else last * width + width - 1
+            parts.append(_from_points(conn, ids, tail * width, tail_last, False, width))
+        else:
+            below_last = None if last is None else 2 * last + 1
+            parts.append(coarsen(_read_level(conn, ids, level - 1, 2 * tail, below_last, mark, ranks), 2))
+    return _merge(*parts) if parts else _empty()
 
 
 def read_steps(conn: Connection, ids: list[int], from_step: int | None, to_step: int | None) -> Buckets:
@@ -290,16 +363,17 @@ def read_steps(conn: Connection, ids: list[int], from_step: int | None, to_step:
     if to_step is not None:
         query = query.where(r.step <= to_step)
     rows = conn.execute(query.order_by(r.series_id, r.step, r.incarnation)).all()
-    rolled = _resolve(conn, rows, True, 1)
+    rolled = _resolve(rows, lambda sid, step: _from_points(conn, [sid], step, step, True, 1))
     tail_first = max(cut, from_step or 0)
     if to_step is not None and tail_first > to_step:
         return rolled
     return _merge(rolled, _from_points(conn, ids, tail_first, to_step, True, 1))
 
 
-def _resolve(conn: Connection, rows: Sequence[Any], all_ranks: bool, width: int) -> Buckets:
+def _resolve(rows: Sequence[Any], exact: Callable[[int, int], Buckets]) -> Buckets:
     """Rows (series, rank, bucket, incarnation, n, total, lo, hi, nonfinite) ordered by that key ->
-    Buckets with one incarnation per bucket: a bucket of several is recomputed from the raw points."""
+    Buckets with one incarnation per bucket: where a bucket holds rows of several incarnations (a
+    restart), every rank's figures of that (series, bucket) are replaced by `exact(series, bucket)`."""
     if not rows:
         return _empty()
     cols = list(zip(*rows, strict=True))
@@ -317,22 +391,38 @@ def _resolve(conn: Connection, rows: Sequence[Any], all_ranks: bool, width: int)
     same = (sid[1:] == sid[:-1]) & (rank[1:] == rank[:-1]) & (bucket[1:] == bucket[:-1])
     if not same.any():
         return got
-    mixed = np.zeros(sid.shape[0], dtype=bool)
-    mixed[1:] |= same
-    mixed[:-1] |= same
-    exact = _recompute(conn, sid[mixed], bucket[mixed], all_ranks, width)
-    return _merge(got.take(np.flatnonzero(~mixed)), exact)
+    pairs = sorted(set(zip(sid[1:][same].tolist(), bucket[1:][same].tolist(), strict=True)))
+    key = sid * (int(bucket.max()) + 1) + bucket
+    mixed = np.isin(key, [s * (int(bucket.max()) + 1) + b for s, b in pairs])
+    return _merge(got.take(np.flatnonzero(~mixed)), *(exact(s, b) for s, b in pairs))
 
 
-def _recompute(
-    conn: Connection, sids: np.ndarray, buckets: np.ndarray, all_ranks: bool, width: int
-) -> Buckets:
-    """The buckets of more than one incarnation, from the raw points (the latest incarnation wins)."""
-    pairs = sorted(set(zip(sids.tolist(), buckets.tolist(), strict=True)))
-    parts = [
-        _from_points(conn, [sid], b * width, b * width + width - 1, all_ranks, width) for sid, b in pairs
-    ]
-    return _merge(*parts) if parts else _empty()
+def coarsen(cells: Buckets, factor: int, offset: int = 0) -> Buckets:
+    """Buckets summed per (series, rank, (bucket - offset) // factor): counts and sums added, the lowest
+    minimum and highest maximum kept (a bucket without finite values does not count)."""
+    if factor == 1 or cells.n.size == 0:
+        return Buckets(
+            cells.series_id,
+            cells.rank,
+            cells.bucket - offset,
+            *(getattr(cells, f) for f in Buckets.__slots__[3:]),
+        )
+    group = (cells.bucket - offset) // factor
+    order = np.lexsort((group, cells.rank, cells.series_id))
+    sid, rank, group = cells.series_id[order], cells.rank[order], group[order]
+    change = np.ones(sid.shape[0], dtype=bool)
+    change[1:] = (sid[1:] != sid[:-1]) | (rank[1:] != rank[:-1]) | (group[1:] != group[:-1])
+    starts = np.flatnonzero(change)
+    return Buckets(
+        sid[starts],
+        rank[starts],
+        group[starts],
+        np.add.reduceat(cells.n[order], starts),
+        np.add.reduceat(cells.total[order], starts),
+        np.fmin.reduceat(cells.lo[order], starts),
+        np.fmax.reduceat(cells.hi[order], starts),
+        np.add.reduceat(cells.nonfinite[order], starts),
+    )
 
 
 def _empty() -> Buckets:
@@ -345,90 +435,30 @@ def _merge(*parts: Buckets) -> Buckets:
     return joined.take(np.lexsort((joined.bucket, joined.rank, joined.series_id)))
 
 
-_COLUMNS_QUERY = text(
-    "SELECT rank, (bucket - :first) / :per AS col, sum(n), sum(total), max(hi), sum(nonfinite), "
-    "min(incarnation), max(incarnation) FROM rollups "
-    "WHERE series_id = :sid AND rank >= 0 AND bucket >= :first AND bucket <= :last "
-    "GROUP BY rank, col ORDER BY rank, col"
-)
+def column_level(first_step: int, last_step: int, columns: int) -> int:
+    """The finest level whose buckets cover first_step..last_step in at most `columns` buckets (the
+    coarsest level where none does): a heatmap gets between `columns / 2` and `columns` columns, one
+    stored row per rank and column."""
+    for level in range(LEVELS):
+        width = level_steps(level)
+        if last_step // width - first_step // width + 1 <= columns:
+            return level
+    return LEVELS - 1
 
 
-def read_columns(conn: Connection, sid: int, first: int, last: int, per_column: int) -> Buckets:
-    """Per (rank, column of `per_column` buckets from bucket `first`): the rollups summed in SQL (one
-    row per cell comes back, not one per bucket). `bucket` holds each column's index. A cell that
-    spans more than one incarnation, or reaches above the watermark, is summed from the exact
-    per-bucket read instead."""
-    cut = (rolled_to(conn, [sid]) + 1) // BUCKET_STEPS  # the first bucket not wholly rolled up
-    tail_col = (cut - first) // per_column if cut <= last else None  # the first column touching it
-    params = {"sid": sid, "first": first, "last": min(last, cut - 1), "per": per_column}
-    rows = conn.execute(_COLUMNS_QUERY, params).all() if cut > first else []
-    parts: list[Buckets] = []
-    if rows:
-        cols = list(zip(*rows, strict=True))
-        rank, col = np.array(cols[0], dtype=np.int64), np.array(cols[1], dtype=np.int64)
-        hi = np.array([np.nan if x is None else x for x in cols[4]], dtype=np.float64)
-        got = Buckets(
-            np.full_like(rank, sid),
-            rank,
-            col,
-            np.array(cols[2], dtype=np.int64),
-            np.array(cols[3], dtype=np.float64),
-            np.full(rank.shape[0], np.nan),  # the heatmap needs no minimum
-            hi,
-            np.array(cols[5], dtype=np.int64),
-        )
-        mixed = np.array(cols[6], dtype=np.int64) != np.array(cols[7], dtype=np.int64)
-        if tail_col is not None:
-            mixed &= col < tail_col
-            parts.append(got.take(np.flatnonzero(~mixed & (col < tail_col))))
-        else:
-            parts.append(got.take(np.flatnonzero(~mixed)))
-        for c in np.unique(col[mixed]).tolist():
-            parts.append(_exact_column(conn, sid, first, last, per_column, c, rank[mixed & (col == c)]))
-    if tail_col is not None:
-        parts.append(_exact_columns(conn, sid, first, last, per_column, tail_col))
-    return _merge(*parts) if parts else _empty()
-
-
-def _exact_column(
-    conn: Connection, sid: int, first: int, last: int, per_column: int, c: int, ranks: np.ndarray
-) -> Buckets:
-    """Column `c`'s cells of `ranks`, summed from the exact per-bucket read."""
-    lo_bucket = first + c * per_column
-    hi_bucket = min(last, lo_bucket + per_column - 1)
-    exact = read(conn, [sid], lo_bucket * BUCKET_STEPS, hi_bucket * BUCKET_STEPS + BUCKET_STEPS - 1)
-    return _sum_columns(exact.take(np.flatnonzero(np.isin(exact.rank, ranks))), sid, first, per_column)
-
-
-def _exact_columns(
-    conn: Connection, sid: int, first: int, last: int, per_column: int, from_col: int
-) -> Buckets:
-    """Every cell of the columns from `from_col` on, summed from the exact per-bucket read."""
-    lo_bucket = first + from_col * per_column
-    exact = read(conn, [sid], lo_bucket * BUCKET_STEPS, last * BUCKET_STEPS + BUCKET_STEPS - 1)
-    return _sum_columns(exact, sid, first, per_column)
-
-
-def _sum_columns(exact: Buckets, sid: int, first: int, per_column: int) -> Buckets:
-    """Per-(rank, bucket) figures summed per (rank, column)."""
-    keys = [exact.rank, (exact.bucket - first) // per_column]
-    order = np.lexsort((keys[1], keys[0]))
-    if order.size == 0:
-        return _empty()
-    rank, col = keys[0][order], keys[1][order]
-    starts = np.flatnonzero(np.concatenate([[True], (rank[1:] != rank[:-1]) | (col[1:] != col[:-1])]))
-    n = np.add.reduceat(exact.n[order], starts)
-    peak = np.maximum.reduceat(np.nan_to_num(exact.hi[order], nan=-np.inf), starts)
-    return Buckets(
-        np.full(starts.shape[0], sid, dtype=np.int64),
-        rank[starts],
-        col[starts],
-        n,
-        np.add.reduceat(exact.total[order], starts),
-        np.full(starts.shape[0], np.nan),
-        np.where(n > 0, peak, np.nan),
-        np.add.reduceat(exact.nonfinite[order], starts),
-    )
+def read_columns(
+    conn: Connection, sid: int, first_step: int, last_step: int, columns: int
+) -> tuple[Buckets, int, int]:
+    """Series `sid`'s figures per (rank, column) over first_step..last_step in at most `columns`
+    columns of whole buckets of `column_level` (several buckets per column only past the coarsest
+    level): (the cells, with `bucket` the column's index; the first column's first step; the
+    width of a column in steps)."""
+    level = column_level(first_step, last_step, columns)
+    width = level_steps(level)
+    first, last = first_step // width, last_step // width
+    per_column = -(-(last - first + 1) // columns)
+    cells = read(conn, [sid], first * width, last * width + width - 1, level)
+    return coarsen(cells, per_column, offset=first), first * width, per_column * width
 
 
 @dataclass(frozen=True, slots=True)

@@ -167,16 +167,18 @@ class RollupStats:
     nonfinite: Mapped[int]
 
 
-class Rollup(RollupStats, Base):
-    """Per (series, rank, bucket of 64 steps, incarnation): count, sum, min, max of the finite values
-    and the count of non-finite ones (runs/rollups.py)."""
+class RankRollup(RollupStats, Base):
+    """Per (series, level, rank, bucket, incarnation): count, sum, min, max of the finite values and
+    the count of non-finite ones over the rank's steps in the bucket, which is `64 << level` steps
+    wide (runs/rollups.py)."""
 
-    __tablename__ = "rollups"
+    __tablename__ = "rank_rollups"
     __table_args__ = ({"sqlite_with_rowid": False},)
 
     series_id: Mapped[int] = mapped_column(
         ForeignKey("series.id", ondelete="CASCADE"), primary_key=True, autoincrement=False
     )
+    level: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     rank: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     bucket: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
     incarnation: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
