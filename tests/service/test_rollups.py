@@ -19,7 +19,7 @@ from sqlalchemy import Connection, Engine, insert, select
 
 from stepwatch_server.dashboard.heatmap import heatmap, heatmap_from_rollups
 from stepwatch_server.ingest.store import POINT_COLUMNS, PointRow, insert_points
-from stepwatch_server.runs import queries, rollups
+from stepwatch_server.runs import queries, rank_rollups, rollups, step_rollups
 from stepwatch_server.runs.rollup_worker import RollupWorker
 from stepwatch_server.storage import make_engine, upgrade
 from stepwatch_server.storage.models import Point, RankRollup, Run, Series, StepRollup
@@ -49,9 +49,9 @@ def _assert_rollups_equal_raw(conn: Connection, ids: dict[str, int], all_ranks: 
     for sid in ids.values():
         raw = _raw_buckets(conn, sid, all_ranks, rollups.level_steps(level))
         if all_ranks:
-            got = _rolled(rollups.read_steps(conn, [sid], None, None))
+            got = _rolled(step_rollups.read_steps(conn, [sid], None, None))
         else:
-            got = _rolled(rollups.read(conn, [sid], None, None, level))
+            got = _rolled(rank_rollups.read(conn, [sid], None, None, level))
         assert got.keys() == raw.keys()
         for key, expected in raw.items():
             n, total, lo, hi, bad = got[key]
@@ -156,7 +156,7 @@ def test_rollups_equal_the_raw_aggregation_across_a_restart(
             for level in range(1, 5):
                 _assert_rollups_equal_raw(conn, ids, False, level)
         # the restart: rank 1's steps 630..1023 are incarnation 2's (102.0), not incarnation 1's (~2)
-        rank1 = _rolled(rollups.read(conn, [ids["loss"]], 576, 1023))
+        rank1 = _rolled(rank_rollups.read(conn, [ids["loss"]], 576, 1023))
         assert rank1[(1, 10)][2:4] == (102.0, 102.0) and rank1[(1, 10)][0] == 64
         assert (
             rank1[(1, 9)][0] == 64 and rank1[(1, 9)][2] < 3.0 and rank1[(1, 9)][3] == 102.0
@@ -179,7 +179,7 @@ def test_mean_curve_is_the_raw_mean_over_ranks_with_extremes_kept(
     ids = _write(engine, worker)
     with engine.connect() as conn:
         raw = _raw_means(conn, ids["loss"])
-        steps, values = rollups.across_ranks(conn, [ids["loss"]], None, None, max_points).mean_curve()
+        steps, values = step_rollups.across_ranks(conn, [ids["loss"]], None, None, max_points).mean_curve()
     assert len(steps) <= max_points and np.all(np.diff(steps) > 0)
     if max_points >= STEPS:  # one point per step: exactly the raw mean (NaN at step 900)
         assert steps.tolist() == sorted(raw)
@@ -201,7 +201,7 @@ def test_mean_curve_is_the_raw_mean_over_ranks_with_extremes_kept(
 def test_amax_curve_is_the_max_over_ranks(engine: Engine, worker: RollupWorker) -> None:
     ids = _write(engine, worker)
     with engine.connect() as conn:
-        groups = rollups.across_ranks(conn, list(ids.values()), 0, 499, 40)
+        groups = step_rollups.across_ranks(conn, list(ids.values()), 0, 499, 40)
     steps, values = groups.of(ids["fc1"]).peak_curve()
     assert groups.per == 25 and steps.tolist() == list(range(0, 500, 25))
     assert values.tolist() == [12.0] * 20  # rank 2's 12.0, every 10th step
@@ -254,8 +254,8 @@ def test_a_long_run_heatmap_reads_one_row_per_cell_of_a_coarse_level(
     assert worker.wait_idle(CATCH_UP_S)
     with engine.connect() as conn:
         for columns, level, steps_per_column in ((240, 7, 8192), (4, 12, 262_144), (2, 12, 524_288)):
-            assert rollups.column_level(0, 999_000, columns) == level
-            cells, start, width = rollups.read_columns(conn, sid, 0, 999_000, columns)
+            assert rank_rollups.column_level(0, 999_000, columns) == level
+            cells, start, width = rank_rollups.read_columns(conn, sid, 0, 999_000, columns)
             assert (start, width) == (0, steps_per_column)
             expected = _raw_buckets(conn, sid, False, width)
             assert _rolled(cells).keys() == expected.keys()
@@ -287,16 +287,20 @@ def test_reads_are_complete_before_the_worker_caught_up(
         _assert_rollups_equal_raw(conn, ids, False)
         _assert_rollups_equal_raw(conn, ids, True)
         raw = _raw_means(conn, ids["loss"])
-        steps, values = rollups.across_ranks(conn, [ids["loss"]], None, None, 2048).mean_curve()
+        steps, values = step_rollups.across_ranks(conn, [ids["loss"]], None, None, 2048).mean_curve()
         assert steps.tolist() == sorted(raw)
         assert np.allclose(values, [raw[s] for s in steps.tolist()], equal_nan=True)
-        steps, values = rollups.across_ranks(conn, [ids["loss"]], None, None, 64).mean_curve()
+        steps, values = step_rollups.across_ranks(conn, [ids["loss"]], None, None, 64).mean_curve()
         assert pytest.approx((2.0 + 102.0 + 2.0) / 3, abs=0.05) in values.tolist()  # the raw tail's restart
         for columns in (16, 2):  # level 4's bucket reaches past the watermark: summed from the levels below
             _assert_heatmap_equals_raw(conn, ids["loss"], "median", columns)
         for level in range(1, 5):
             _assert_rollups_equal_raw(conn, ids, False, level)
-        assert rollups.step_range(conn, [ids["loss"]], None, None) == (0, STEPS - 1, 3 * STEPS - 324 + 394)
+        assert step_rollups.step_range(conn, [ids["loss"]], None, None) == (
+            0,
+            STEPS - 1,
+            3 * STEPS - 324 + 394,
+        )
 
 
 def test_the_worker_rolls_up_what_is_left_when_it_stops(engine: Engine) -> None:

@@ -7,7 +7,7 @@ steps in columns; each cell is the rank's mean over the bucket's steps divided b
 ranks' means in that bucket, so 1.0 is "like its peers" and a straggler is a bright horizontal line
 from the step it started. Absolute mode (memory) keeps each bucket's maximum instead, so a one-step
 peak is not averaged away. Everything is vectorised: one bincount over all (rank, bucket) cells.
-On a big run the cells come from the rank rollups (runs/rollups.py) instead of the raw points: columns
+On a big run the cells come from the rank rollups (runs/rank_rollups.py) instead of the raw points: columns
 of whole rollup buckets, as wide as the level that gives at most the columns asked for.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Connection
 
-from stepwatch_server.runs import rollups
+from stepwatch_server.runs import rank_rollups
 from stepwatch_server.runs.queries import RankSeries
 
 DEFAULT_BUCKETS = 240
@@ -60,9 +60,9 @@ def heatmap_from_rollups(
     conn: Connection, sid: int, first_step: int, last_step: int, buckets: int, mode: str
 ) -> dict[str, Any]:
     """The same matrix from the rank rollups of series `sid` over first_step..last_step: columns are
-    whole buckets of the rollup level that fits at most `buckets` of them (runs/rollups.py), so one
+    whole buckets of the rollup level that fits at most `buckets` of them (runs/rank_rollups.py), so one
     stored row per rank and column is read."""
-    cells, start, width = rollups.read_columns(conn, sid, first_step, last_step, buckets)
+    cells, start, width = rank_rollups.read_columns(conn, sid, first_step, last_step, buckets)
     cells = cells.take(np.flatnonzero(cells.n > 0))
     if cells.n.size == 0:
         return _empty()

@@ -22,7 +22,7 @@ from stepwatch_server.dashboard.summary import runs_overview
 from stepwatch_server.detect.detectors.fp8_overflow import E4M3_MAX, E5M2_MAX
 from stepwatch_server.errors import InvalidBatch, NotFound
 from stepwatch_server.responses import float_list, json_response
-from stepwatch_server.runs import queries, rollups
+from stepwatch_server.runs import queries, rank_rollups, step_rollups
 from stepwatch_server.runs.downsample import DEFAULT_MAX_POINTS, downsample
 from stepwatch_server.runs.routes import Conn, FromStep, MaxPoints, ToStep
 from stepwatch_server.storage.models import METRIC_STAT
@@ -59,8 +59,8 @@ def get_heatmap(
         raise NotFound(
             f"metric {metric!r} not found in run {run!r}; GET /api/v1/runs/{run} lists them", field="metric"
         )
-    found_steps = rollups.step_range(conn, list(ids), from_step, to_step)
-    if found_steps is not None and found_steps[2] > rollups.RAW_READ_BUDGET:  # one rollup row per cell
+    found_steps = step_rollups.step_range(conn, list(ids), from_step, to_step)
+    if found_steps is not None and found_steps[2] > rank_rollups.RAW_READ_BUDGET:  # one rollup row per cell
         cells = heatmap_from_rollups(conn, next(iter(ids)), found_steps[0], found_steps[1], buckets, mode)
         return json_response({"metric": metric, "mode": mode, **cells})
     series = queries.read_points(conn, list(ids), None, from_step, to_step)
@@ -79,8 +79,8 @@ def get_amax(
 ) -> Response:
     found = queries.find_run(conn, run)
     ids = queries.series_ids(conn, found.id, "amax", None)
-    groups = rollups.across_ranks(conn, list(ids), from_step, to_step, max_points)
-    tail = rollups.read_steps(conn, list(ids), groups.last_group_start(), to_step)  # the latest steps
+    groups = step_rollups.across_ranks(conn, list(ids), from_step, to_step, max_points)
+    tail = step_rollups.read_steps(conn, list(ids), groups.last_group_start(), to_step)  # the latest steps
     modules = []
     for sid, name in ids.items():  # per step (or group of steps): the maximum over ranks
         steps, values = groups.of(sid).peak_curve()

@@ -18,7 +18,7 @@ from starlette.responses import Response
 from stepwatch_server.errors import InvalidBatch, NotFound
 from stepwatch_server.ingest.schema import EVENT_KINDS
 from stepwatch_server.responses import float_list, json_response
-from stepwatch_server.runs import queries, rollups
+from stepwatch_server.runs import queries, step_rollups
 from stepwatch_server.runs.downsample import DEFAULT_MAX_POINTS, MAX_POINTS_CAP, downsample
 from stepwatch_server.storage.models import METRIC_STAT
 
@@ -96,8 +96,10 @@ def get_series(
         available, _ = queries.series_names(conn, found.id)
         shown = ", ".join(available[:30]) or "none yet"
         raise NotFound(f"metric {metric!r} not found in run {run!r}; available: {shown}", field="metric")
-    if mean:  # from the step rollups, grouped in the database (runs/rollups.py)
-        steps, values = rollups.across_ranks(conn, list(ids), from_step, to_step, max_points).mean_curve()
+    if mean:  # from the step rollups, grouped in the database (runs/step_rollups.py)
+        steps, values = step_rollups.across_ranks(
+            conn, list(ids), from_step, to_step, max_points
+        ).mean_curve()
         shaped = [{"rank": "mean", "steps": steps, "values": float_list(values)}]
         return json_response({"metric": metric, "series": shaped})
     series = queries.read_points(conn, list(ids), rank_id, from_step, to_step)

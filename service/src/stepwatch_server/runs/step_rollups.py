@@ -1,0 +1,184 @@
+"""Reads of the per-step rollups (`step_rollups`, kept by runs/rollups.py): each step's figures over
+every rank, and the curves grouped into at most `max_points / 2` groups that keep their extremes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from sqlalchemy import Connection, bindparam, literal, select, text
+
+from stepwatch_server.runs.rollups import (
+    ALL_RANKS,
+    NO_LIMIT,
+    Buckets,
+    aggregate,
+    empty,
+    expanding,
+    from_points,
+    in_range,
+    merge,
+    resolve,
+    rolled_to,
+    run_ids_of,
+    run_ranks,
+)
+from stepwatch_server.storage.models import StepRollup
+
+
+def read_steps(conn: Connection, ids: list[int], from_step: int | None, to_step: int | None) -> Buckets:
+    """Per (series, step) over every rank (`bucket` holds the step): the step rollups up to the
+    watermark, the raw points' aggregation above it."""
+    if not ids:
+        return empty()
+    cut = rolled_to(conn, ids) + 1
+    r = StepRollup
+    query = select(
+        r.series_id, literal(ALL_RANKS), r.step, r.incarnation, r.n, r.total, r.lo, r.hi, r.nonfinite
+    ).where(r.series_id.in_(ids), r.step < cut)
+    if from_step is not None:
+        query = query.where(r.step >= from_step)
+    if to_step is not None:
+        query = query.where(r.step <= to_step)
+    rows = conn.execute(query.order_by(r.series_id, r.step, r.incarnation)).all()
+    rolled = resolve(rows, lambda sid, step: from_points(conn, [sid], step, step, True, 1))
+    tail_first = max(cut, from_step or 0)
+    if to_step is not None and tail_first > to_step:
+        return rolled
+    return merge(rolled, from_points(conn, ids, tail_first, to_step, True, 1))
+
+
+@dataclass(frozen=True, slots=True)
+class Groups:
+    """Per (series, group of `per` steps from step `first`): the lowest and highest per-step mean
+    over ranks, the highest value, and the count of non-finite values."""
+
+    first: int
+    per: int
+    series_id: np.ndarray
+    group: np.ndarray
+    low_mean: np.ndarray
+    high_mean: np.ndarray
+    peak: np.ndarray
+    nonfinite: np.ndarray
+
+    def of(self, sid: int) -> Groups:
+        keep = self.series_id == sid
+        return Groups(self.first, self.per, *(getattr(self, f)[keep] for f in Groups.__slots__[2:]))
+
+    def last_group_start(self) -> int:
+        return self.first + (int(self.group.max()) if self.group.size else 0) * self.per
+
+    def mean_curve(self) -> tuple[np.ndarray, np.ndarray]:
+        """(steps, values): per step the mean; per group its lowest then highest mean (at its first and
+        middle step), NaN where a group holds a non-finite value."""
+        start = self.first + self.group * self.per
+        bad = self.nonfinite > 0
+        if self.per == 1:
+            return start, np.where(bad, np.nan, self.low_mean)
+        steps = np.stack([start, start + self.per // 2], axis=1).reshape(-1)
+        values = np.stack([self.low_mean, np.where(bad, np.nan, self.high_mean)], axis=1).reshape(-1)
+        return steps, values
+
+    def peak_curve(self) -> tuple[np.ndarray, np.ndarray]:
+        """(each group's first step, its maximum over ranks and steps), NaN where non-finite."""
+        return self.first + self.group * self.per, np.where(self.nonfinite > 0, np.nan, self.peak)
+
+
+_MEAN = "CASE WHEN n > 0 THEN total / n END"
+_GROUPS_QUERY = text(
+    f"SELECT series_id, (step - :first) / :per AS g, min({_MEAN}), max({_MEAN}), max(hi), sum(nonfinite), "
+    "min(incarnation), max(incarnation) FROM step_rollups "
+    "WHERE series_id IN :ids AND step >= :first AND step <= :last GROUP BY series_id, g ORDER BY series_id, g"
+).bindparams(bindparam("ids", expanding=True))
+_RANGE_QUERY = text(
+    "SELECT min(step), max(step), sum(n + nonfinite) FROM step_rollups "
+    "WHERE series_id IN :ids AND step >= :first AND step <= :last"
+).bindparams(bindparam("ids", expanding=True))
+_RAW_RANGE = {
+    ranked: expanding(f"SELECT min(step), max(step), count(*) FROM points WHERE {in_range(ranked)}", ranked)
+    for ranked in (False, True)
+}
+
+
+def step_range(
+    conn: Connection, ids: list[int], from_step: int | None, to_step: int | None
+) -> tuple[int, int, int] | None:
+    """(first step, last step, number of raw values) stored for `ids` in the range, None if none:
+    from the step rollups up to the watermark, from the raw points above it."""
+    if not ids:
+        return None
+    mark = rolled_to(conn, ids)
+    first, last = from_step or 0, NO_LIMIT if to_step is None else to_step
+    found = [conn.execute(_RANGE_QUERY, {"ids": ids, "first": first, "last": min(last, mark)}).one()]
+    if last > mark:
+        ranks = run_ranks(conn, run_ids_of(conn, ids))
+        params: dict[str, Any] = {"ids": ids, "first": max(first, mark + 1), "last": last}
+        if ranks is not None:
+            params["ranks"] = ranks
+        found.append(conn.execute(_RAW_RANGE[ranks is not None], params).one())
+    found = [f for f in found if f[0] is not None]
+    if not found:
+        return None
+    return min(int(f[0]) for f in found), max(int(f[1]) for f in found), sum(int(f[2]) for f in found)
+
+
+def across_ranks(
+    conn: Connection, ids: list[int], from_step: int | None, to_step: int | None, max_points: int
+) -> Groups:
+    """The step rollups of `ids` grouped in SQL into at most max_points / 2 groups per series (one
+    step per group when the range has at most max_points steps). Groups that reach above the
+    watermark, or hold a restart, are grouped from the exact per-step figures (`read_steps`)."""
+    found = step_range(conn, ids, from_step, to_step) if ids else None
+    if found is None:
+        empty_i, empty_f = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64)
+        return Groups(0, 1, empty_i, empty_i, empty_f, empty_f, empty_f, empty_i)
+    first, last, _ = found
+    span = last - first + 1
+    per = 1 if span <= max_points else -(-span // max(1, max_points // 2))
+    mark = rolled_to(conn, ids)
+    tail_group = (mark + 1 - first) // per if mark < last else None  # the first group above the watermark
+    params = {"ids": ids, "first": first, "last": min(last, mark), "per": per}
+    rows = conn.execute(_GROUPS_QUERY, params).all() if mark >= first else []
+    parts: list[tuple[np.ndarray, ...]] = []
+    if rows:
+        cols = list(zip(*rows, strict=True))
+        sid, group = np.array(cols[0], dtype=np.int64), np.array(cols[1], dtype=np.int64)
+        floats = [np.array(c, dtype=np.float64) for c in cols[2:5]]  # None -> nan
+        nonfinite = np.array(cols[5], dtype=np.int64)
+        mixed = np.array(cols[6], dtype=np.int64) != np.array(cols[7], dtype=np.int64)
+        if tail_group is not None:
+            mixed |= group >= tail_group
+        keep = np.flatnonzero(~mixed)
+        parts.append((sid[keep], group[keep], *(f[keep] for f in floats), nonfinite[keep]))
+        for i in np.flatnonzero(mixed & ((group < tail_group) if tail_group is not None else True)).tolist():
+            lo_step = first + int(group[i]) * per  # a restart inside the group: from the exact steps
+            parts.append(
+                _group_steps(
+                    read_steps(conn, [int(sid[i])], lo_step, min(last, lo_step + per - 1)), first, per
+                )
+            )
+    if tail_group is not None:
+        parts.append(_group_steps(read_steps(conn, ids, first + tail_group * per, last), first, per))
+    if not parts:
+        empty_i, empty_f = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64)
+        return Groups(first, per, empty_i, empty_i, empty_f, empty_f, empty_f, empty_i)
+    joined = [np.concatenate([p[i] for p in parts]) for i in range(6)]
+    order = np.lexsort((joined[1], joined[0]))
+    return Groups(first, per, *(c[order] for c in joined))
+
+
+def _group_steps(exact: Buckets, first: int, per: int) -> tuple[np.ndarray, ...]:
+    """Per-step figures over ranks -> per (series, group of `per` steps from `first`): (series, group,
+    lowest mean, highest mean, highest value, non-finite count)."""
+    if exact.n.size == 0:
+        empty_i, empty_f = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64)
+        return empty_i, empty_i, empty_f, empty_f, empty_f, empty_i
+    keys = [exact.series_id, (exact.bucket - first) // per]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        means = np.where(exact.n > 0, exact.total / np.maximum(exact.n, 1), np.nan)
+    unique, (_, _, low, high, _) = aggregate(keys, means)
+    _, (_, _, _, peak, _) = aggregate(keys, exact.hi)
+    _, (_, bad, _, _, _) = aggregate(keys, exact.nonfinite.astype(np.float64))
+    return unique[0], unique[1], low, high, peak, bad.astype(np.int64)
