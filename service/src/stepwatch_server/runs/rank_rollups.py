@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 from sqlalchemy import Connection, select
 
+from stepwatch_server.runs.queries import fetch_columns
 from stepwatch_server.runs.rollups import (
     LEVELS,
     Buckets,
@@ -62,14 +63,14 @@ def _read_level(
             query = query.where(r.bucket <= last)
         if ranks is not None:
             query = query.where(r.rank.in_(ranks))  # the primary key (series, level, rank, bucket) is sought
-        rows = conn.execute(query.order_by(r.series_id, r.rank, r.bucket, r.incarnation)).all()
+        cols = fetch_columns(conn, query.order_by(r.series_id, r.rank, r.bucket, r.incarnation))
 
         def exact(sid: int, bucket: int) -> Buckets:
             if level == 0:
                 return from_points(conn, [sid], bucket * width, bucket * width + width - 1, False, width)
             return coarsen(_read_level(conn, [sid], level - 1, 2 * bucket, 2 * bucket + 1, mark, ranks), 2)
 
-        parts.append(resolve(rows, exact))
+        parts.append(resolve(cols, exact))
     tail = max(cut, first)
     if last is None or tail <= last:
         if level == 0:

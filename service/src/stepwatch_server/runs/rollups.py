@@ -291,24 +291,15 @@ def aggregate(keys: Sequence[np.ndarray], values: np.ndarray) -> tuple[list[np.n
     return [k[starts] for k in sorted_keys], [n, total, lo, hi, nonfinite]
 
 
-def resolve(rows: Sequence[Any], exact: Callable[[int, int], Buckets]) -> Buckets:
-    """Rows (series, rank, bucket, incarnation, n, total, lo, hi, nonfinite) ordered by that key ->
-    Buckets with one incarnation per bucket: where a bucket holds rows of several incarnations (a
-    restart), every rank's figures of that (series, bucket) are replaced by `exact(series, bucket)`."""
-    if not rows:
+def resolve(cols: list[np.ndarray], exact: Callable[[int, int], Buckets]) -> Buckets:
+    """Columns (series, rank, bucket, incarnation, n, total, lo, hi, nonfinite) ordered by that key
+    (`fetch_columns`) -> Buckets with one incarnation per bucket: where a bucket holds rows of several
+    incarnations (a restart), every rank's figures of that (series, bucket) are replaced by
+    `exact(series, bucket)`."""
+    if cols[0].size == 0:
         return empty()
-    cols = list(zip(*rows, strict=True))
-    sid, rank, bucket = (np.array(c, dtype=np.int64) for c in cols[:3])
-    got = Buckets(
-        sid,
-        rank,
-        bucket,
-        np.array(cols[4], dtype=np.int64),
-        np.array(cols[5], dtype=np.float64),
-        np.array(cols[6], dtype=np.float64),
-        np.array(cols[7], dtype=np.float64),
-        np.array(cols[8], dtype=np.int64),
-    )
+    sid, rank, bucket, _, n = (c.astype(np.int64) for c in cols[:5])
+    got = Buckets(sid, rank, bucket, n, cols[5], cols[6], cols[7], cols[8].astype(np.int64))
     same = (sid[1:] == sid[:-1]) & (rank[1:] == rank[:-1]) & (bucket[1:] == bucket[:-1])
     if not same.any():
         return got

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Connection, bindparam, literal, select, text
 
+from stepwatch_server.runs.queries import fetch_columns
 from stepwatch_server.runs.rollups import (
     ALL_RANKS,
     NO_LIMIT,
@@ -41,8 +42,8 @@ def read_steps(conn: Connection, ids: list[int], from_step: int | None, to_step:
         query = query.where(r.step >= from_step)
     if to_step is not None:
         query = query.where(r.step <= to_step)
-    rows = conn.execute(query.order_by(r.series_id, r.step, r.incarnation)).all()
-    rolled = resolve(rows, lambda sid, step: from_points(conn, [sid], step, step, True, 1))
+    cols = fetch_columns(conn, query.order_by(r.series_id, r.step, r.incarnation))
+    rolled = resolve(cols, lambda sid, step: from_points(conn, [sid], step, step, True, 1))
     tail_first = max(cut, from_step or 0)
     if to_step is not None and tail_first > to_step:
         return rolled
