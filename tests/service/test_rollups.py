@@ -275,6 +275,33 @@ def test_a_long_run_heatmap_reads_one_row_per_cell_of_a_coarse_level(
         assert sorted(set(top)) == [0, 1, 2]  # steps 0..786,431 whole; bucket 3 (786,432..) ends past 999,000
 
 
+def test_steps_beyond_float_precision_are_read_exactly(engine: Engine, worker: RollupWorker) -> None:
+    """Steps near 2**60 (a token counter as the step): ten neighbouring steps stay ten steps in the raw
+    read, the per-step rollups and the rank rollups (float64 would merge them into one or two)."""
+    base = 2**60
+    now = dt.datetime.now(dt.UTC)
+    with engine.begin() as conn:
+        run_id = conn.execute(
+            insert(Run)
+            .values(name="big-steps", world_size=2, created_at=now, last_seen_at=now)
+            .returning(Run.id)
+        ).scalar_one()
+        sid = conn.execute(
+            insert(Series).values(run_id=run_id, stat="", name="loss").returning(Series.id)
+        ).scalar_one()
+        insert_points(conn, [(sid, rank, base + i, 1, float(i + rank)) for rank in (0, 1) for i in range(10)])
+    worker.submit(run_id, base, base + 9)
+    assert worker.wait_idle(CATCH_UP_S)
+    with engine.connect() as conn:
+        raw = queries.read_points(conn, [sid], None, None, None)
+        assert [s.steps.tolist() for s in raw] == [[base + i for i in range(10)]] * 2
+        per_step = step_rollups.read_steps(conn, [sid], None, None)
+        assert per_step.bucket.tolist() == [base + i for i in range(10)]
+        assert per_step.total.tolist() == [2 * i + 1.0 for i in range(10)]
+        assert rollups.rolled_to(conn, [sid]) == base + 9
+        _assert_rollups_equal_raw(conn, {"loss": sid}, False)
+
+
 @pytest.mark.parametrize("hand_over_below", [0, 500], ids=["nothing-rolled-up", "rolled-up-to-499"])
 def test_reads_are_complete_before_the_worker_caught_up(
     engine: Engine, worker: RollupWorker, hand_over_below: int

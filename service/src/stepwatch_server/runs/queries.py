@@ -7,6 +7,7 @@ by (series, rank, step, incarnation) along the primary key and the last row of e
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,24 +148,30 @@ def read_points(
     if to_step is not None:
         query = query.where(Point.step <= to_step)
     query = query.order_by(Point.series_id, Point.rank, Point.step, Point.incarnation)
-    sid, rank_numbers, steps, _inc, values = fetch_columns(conn, query)  # NULL (SQLite's NaN) -> nan
+    sid, rank_numbers, steps, _inc, values = fetch_columns(conn, query, (0, 1, 2, 3))  # NULL -> nan
     if sid.size == 0:
         return []
-    return _split_latest(sid.astype(np.int64), rank_numbers.astype(np.int64), steps.astype(np.int64), values)
+    return _split_latest(sid, rank_numbers, steps, values)
 
 
-def fetch_columns(conn: Connection, statement: Any, params: dict[str, Any] | None = None) -> list[np.ndarray]:
-    """The rows of a SELECT as one float64 array per column (NULL -> NaN), read straight from the
-    driver's cursor: at 100k rows SQLAlchemy's Row objects and a per-column conversion cost as much
-    as the fetch itself. Only for numbers below 2**53 (ids, ranks, steps, counts: exact)."""
+def fetch_columns(
+    conn: Connection, statement: Any, integers: Sequence[int], params: dict[str, Any] | None = None
+) -> list[np.ndarray]:
+    """The rows of a SELECT as one array per column, read straight from the driver's cursor: at 100k
+    rows SQLAlchemy's Row objects and a per-column conversion cost as much as the fetch itself. The
+    columns at the indices `integers` come back as int64 (exact, steps up to 2**62 included), the
+    others as float64 (NULL -> NaN)."""
     result = conn.execute(statement, params or {})
     try:
         width = len(result.cursor.description)
         rows = result.cursor.fetchall()
     finally:
         result.close()
-    table = np.array(rows, dtype=np.float64).reshape(len(rows), width)
-    return [table[:, i] for i in range(width)]
+    floats = np.array(rows, dtype=np.float64).reshape(len(rows), width)
+    cols = [floats[:, i] for i in range(width)]
+    for i in integers:
+        cols[i] = np.fromiter((row[i] for row in rows), dtype=np.int64, count=len(rows))
+    return cols
 
 
 def _split_latest(

@@ -9,6 +9,7 @@ from sqlalchemy import Connection, select
 from stepwatch_server.runs.queries import fetch_columns
 from stepwatch_server.runs.rollups import (
     LEVELS,
+    ROLLUP_INTEGERS,
     Buckets,
     empty,
     from_points,
@@ -50,7 +51,8 @@ def _read_level(
     """Buckets first..last (None: to the end) of `level`. The rows of the buckets below the cut (the
     first bucket not wholly up to `mark`) come from the table, a bucket of several incarnations is
     recomputed one level down, and the buckets from the cut on are summed from the level below: at
-    most one bucket per level is read that way, down to the raw points above the watermark."""
+    most one bucket per level is read that way, down to the raw points from the start of the level-0
+    bucket that the watermark falls in."""
     width = level_steps(level)
     cut = (mark + 1) // width
     parts: list[Buckets] = []
@@ -63,7 +65,9 @@ def _read_level(
             query = query.where(r.bucket <= last)
         if ranks is not None:
             query = query.where(r.rank.in_(ranks))  # the primary key (series, level, rank, bucket) is sought
-        cols = fetch_columns(conn, query.order_by(r.series_id, r.rank, r.bucket, r.incarnation))
+        cols = fetch_columns(
+            conn, query.order_by(r.series_id, r.rank, r.bucket, r.incarnation), ROLLUP_INTEGERS
+        )
 
         def exact(sid: int, bucket: int) -> Buckets:
             if level == 0:
@@ -112,8 +116,9 @@ def coarsen(cells: Buckets, factor: int, offset: int = 0) -> Buckets:
 
 def column_level(first_step: int, last_step: int, columns: int) -> int:
     """The finest level whose buckets cover first_step..last_step in at most `columns` buckets (the
-    coarsest level where none does): a heatmap gets between `columns / 2` and `columns` columns, one
-    stored row per rank and column."""
+    coarsest level where none does): one stored row per rank and column, and at least `columns / 2`
+    columns wherever the range is wider than level 0 allows (a range of under 32 x `columns` steps
+    gets its 64-step buckets, fewer columns than asked)."""
     for level in range(LEVELS):
         width = level_steps(level)
         if last_step // width - first_step // width + 1 <= columns:
@@ -127,7 +132,8 @@ def read_columns(
     """Series `sid`'s figures per (rank, column) over first_step..last_step in at most `columns`
     columns of whole buckets of `column_level` (several buckets per column only past the coarsest
     level): (the cells, with `bucket` the column's index; the first column's first step; the
-    width of a column in steps)."""
+    width of a column in steps). Columns are aligned to the level's buckets, so the first and the
+    last may reach past the range by up to a column's width (their `steps` say where they start)."""
     level = column_level(first_step, last_step, columns)
     width = level_steps(level)
     first, last = first_step // width, last_step // width

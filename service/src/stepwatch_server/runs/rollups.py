@@ -158,7 +158,8 @@ def roll_up(
     conn: Connection, run_id: int, first_step: int, last_step: int, max_values: int = NO_LIMIT
 ) -> int:
     """Recompute run `run_id`'s rollups of the whole buckets holding steps first..last from the raw
-    points: a DELETE and an INSERT ... SELECT ... GROUP BY per table. Only as many whole buckets
+    points: a DELETE and an INSERT ... SELECT ... GROUP BY per table, then the coarser rank rollup
+    levels' whole buckets from the level below (`_roll_levels`). Only as many whole buckets
     from the first as hold about `max_values` values (series x ranks x steps; at least one bucket)
     are done. Then raise the run's watermark to the last step done, and return it. Call inside a
     write transaction.
@@ -291,22 +292,26 @@ def aggregate(keys: Sequence[np.ndarray], values: np.ndarray) -> tuple[list[np.n
     return [k[starts] for k in sorted_keys], [n, total, lo, hi, nonfinite]
 
 
+ROLLUP_INTEGERS = (0, 1, 2, 3, 4, 8)  # the integer columns of a rollup read (`fetch_columns`)
+
+
 def resolve(cols: list[np.ndarray], exact: Callable[[int, int], Buckets]) -> Buckets:
     """Columns (series, rank, bucket, incarnation, n, total, lo, hi, nonfinite) ordered by that key
-    (`fetch_columns`) -> Buckets with one incarnation per bucket: where a bucket holds rows of several
-    incarnations (a restart), every rank's figures of that (series, bucket) are replaced by
-    `exact(series, bucket)`."""
+    (`fetch_columns` with ROLLUP_INTEGERS) -> Buckets with one incarnation per bucket: where a bucket
+    holds rows of several incarnations (a restart), every rank's figures of that (series, bucket)
+    are replaced by `exact(series, bucket)`."""
     if cols[0].size == 0:
         return empty()
-    sid, rank, bucket, _, n = (c.astype(np.int64) for c in cols[:5])
-    got = Buckets(sid, rank, bucket, n, cols[5], cols[6], cols[7], cols[8].astype(np.int64))
+    sid, rank, bucket = cols[0], cols[1], cols[2]
+    got = Buckets(sid, rank, bucket, cols[4], cols[5], cols[6], cols[7], cols[8])
     same = (sid[1:] == sid[:-1]) & (rank[1:] == rank[:-1]) & (bucket[1:] == bucket[:-1])
     if not same.any():
         return got
-    pairs = sorted(set(zip(sid[1:][same].tolist(), bucket[1:][same].tolist(), strict=True)))
-    key = sid * (int(bucket.max()) + 1) + bucket
-    mixed = np.isin(key, [s * (int(bucket.max()) + 1) + b for s, b in pairs])
-    return merge(got.take(np.flatnonzero(~mixed)), *(exact(s, b) for s, b in pairs))
+    pairs, pair_of_row = np.unique(np.stack([sid, bucket], axis=1), axis=0, return_inverse=True)
+    several = np.zeros(pairs.shape[0], dtype=bool)
+    several[pair_of_row.reshape(-1)[1:][same]] = True  # (series, bucket) pairs holding a restart
+    mixed = several[pair_of_row.reshape(-1)]
+    return merge(got.take(np.flatnonzero(~mixed)), *(exact(int(s), int(b)) for s, b in pairs[several]))
 
 
 def empty() -> Buckets:

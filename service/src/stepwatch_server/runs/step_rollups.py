@@ -13,6 +13,7 @@ from stepwatch_server.runs.queries import fetch_columns
 from stepwatch_server.runs.rollups import (
     ALL_RANKS,
     NO_LIMIT,
+    ROLLUP_INTEGERS,
     Buckets,
     aggregate,
     empty,
@@ -42,7 +43,7 @@ def read_steps(conn: Connection, ids: list[int], from_step: int | None, to_step:
         query = query.where(r.step >= from_step)
     if to_step is not None:
         query = query.where(r.step <= to_step)
-    cols = fetch_columns(conn, query.order_by(r.series_id, r.step, r.incarnation))
+    cols = fetch_columns(conn, query.order_by(r.series_id, r.step, r.incarnation), ROLLUP_INTEGERS)
     rolled = resolve(cols, lambda sid, step: from_points(conn, [sid], step, step, True, 1))
     tail_first = max(cut, from_step or 0)
     if to_step is not None and tail_first > to_step:
