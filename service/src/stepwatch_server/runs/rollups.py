@@ -87,9 +87,9 @@ def _roll_statements(ranked: bool) -> list[Any]:
     where = in_range(ranked)
     return [
         expanding(
-            f"DELETE FROM rank_rollups WHERE series_id IN :ids AND level = 0 AND bucket >= :first / {BUCKET_STEPS} "
-            f"AND bucket <= :last / {BUCKET_STEPS}",
-            False,
+            f"DELETE FROM rank_rollups WHERE series_id IN :ids AND level = 0{_ranks_named(ranked)} "
+            f"AND bucket >= :first / {BUCKET_STEPS} AND bucket <= :last / {BUCKET_STEPS}",
+            ranked,
         ),
         expanding(
             f"INSERT INTO rank_rollups (series_id, level, rank, bucket, incarnation, {_STAT_COLUMNS}) "
@@ -109,20 +109,30 @@ def _roll_statements(ranked: bool) -> list[Any]:
     ]
 
 
-# A level's buckets lo..hi-1, summed from the level below (two buckets each).
-_LEVEL_ROLL = [
-    expanding(
-        "DELETE FROM rank_rollups WHERE series_id IN :ids AND level = :level AND bucket >= :lo AND bucket < :hi",
-        False,
-    ),
-    expanding(
-        f"INSERT INTO rank_rollups (series_id, level, rank, bucket, incarnation, {_STAT_COLUMNS}) "
-        "SELECT series_id, :level, rank, bucket / 2, incarnation, sum(n), sum(total), min(lo), max(hi), "
-        "sum(nonfinite) FROM rank_rollups WHERE series_id IN :ids AND level = :below "
-        "AND bucket >= :lo * 2 AND bucket < :hi * 2 GROUP BY series_id, rank, bucket / 2, incarnation",
-        False,
-    ),
-]
+def _ranks_named(ranked: bool) -> str:
+    """Name the ranks in a statement on `rank_rollups`, so that both databases seek its primary key
+    (series, level, rank, bucket) per rank instead of scanning every rank's buckets of the level:
+    without it, each round read all of a series' rows of the level, and the worker slowed as the
+    run grew."""
+    return " AND rank IN :ranks" if ranked else ""
+
+
+def _level_statements(ranked: bool) -> list[Any]:
+    """A level's buckets lo..hi-1, summed from the level below (two buckets each)."""
+    return [
+        expanding(
+            f"DELETE FROM rank_rollups WHERE series_id IN :ids AND level = :level{_ranks_named(ranked)} "
+            "AND bucket >= :lo AND bucket < :hi",
+            ranked,
+        ),
+        expanding(
+            f"INSERT INTO rank_rollups (series_id, level, rank, bucket, incarnation, {_STAT_COLUMNS}) "
+            "SELECT series_id, :level, rank, bucket / 2, incarnation, sum(n), sum(total), min(lo), max(hi), "
+            f"sum(nonfinite) FROM rank_rollups WHERE series_id IN :ids AND level = :below{_ranks_named(ranked)} "
+            "AND bucket >= :lo * 2 AND bucket < :hi * 2 GROUP BY series_id, rank, bucket / 2, incarnation",
+            ranked,
+        ),
+    ]
 
 
 def level_steps(level: int) -> int:
@@ -131,6 +141,7 @@ def level_steps(level: int) -> int:
 
 
 _ROLL = {ranked: _roll_statements(ranked) for ranked in (False, True)}
+_LEVEL_ROLL = {ranked: _level_statements(ranked) for ranked in (False, True)}
 _MARK = text(
     "INSERT INTO rollup_marks (run_id, rolled_to) VALUES (:run, :to) ON CONFLICT (run_id) DO UPDATE SET "
     "rolled_to = CASE WHEN excluded.rolled_to > rollup_marks.rolled_to THEN excluded.rolled_to "
@@ -187,12 +198,14 @@ def roll_up(
             params["ranks"] = ranks
         for statement in _ROLL[ranks is not None]:
             conn.execute(statement, params)
-        _roll_levels(conn, list(ids), first, params["last"], max(mark, last_step))
+        _roll_levels(conn, list(ids), ranks, first, params["last"], max(mark, last_step))
     conn.execute(_MARK, {"run": run_id, "to": last_step})
     return last_step
 
 
-def _roll_levels(conn: Connection, ids: list[int], first: int, last: int, mark: int) -> None:
+def _roll_levels(
+    conn: Connection, ids: list[int], ranks: list[int] | None, first: int, last: int, mark: int
+) -> None:
     """Levels 1.. of the rank rollups: recompute each level's buckets that hold a step of first..last
     (just rolled up at level 0) and lie wholly up to the watermark `mark`, from the level below,
     finest level first. A bucket reaching above the watermark is left out until the round that
@@ -202,8 +215,10 @@ def _roll_levels(conn: Connection, ids: list[int], first: int, last: int, mark: 
         lo, hi = first // width, min((mark + 1) // width, last // width + 1)
         if lo >= hi:
             continue  # no whole bucket of this level (nor of the coarser ones) changed
-        params = {"ids": ids, "level": level, "below": level - 1, "lo": lo, "hi": hi}
-        for statement in _LEVEL_ROLL:
+        params: dict[str, Any] = {"ids": ids, "level": level, "below": level - 1, "lo": lo, "hi": hi}
+        if ranks is not None:
+            params["ranks"] = ranks
+        for statement in _LEVEL_ROLL[ranks is not None]:
             conn.execute(statement, params)
 
 
