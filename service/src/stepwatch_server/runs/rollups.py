@@ -151,10 +151,17 @@ _RANK_COUNT = text(
     "SELECT max(runs.world_size), (SELECT max(rank) + 1 FROM ranks WHERE ranks.run_id IN :runs) "
     "FROM runs WHERE runs.id IN :runs"
 ).bindparams(bindparam("runs", expanding=True))
-_COVERAGE = text(
+_COVERAGE = expanding(
     "SELECT min(coalesce(rollup_marks.rolled_to, -1)) FROM series "
-    "LEFT JOIN rollup_marks ON rollup_marks.run_id = series.run_id WHERE series.id IN :ids"
-).bindparams(bindparam("ids", expanding=True))
+    "LEFT JOIN rollup_marks ON rollup_marks.run_id = series.run_id WHERE series.id IN :ids",
+    False,
+)
+
+
+def ranked_params(params: dict[str, Any], ranks: list[int] | None) -> tuple[bool, dict[str, Any]]:
+    """(whether to run a statement's variant that names the ranks, its parameters): the ranks are
+    named when known (`run_ranks`), so the primary key is sought rank by rank."""
+    return (True, {**params, "ranks": ranks}) if ranks is not None else (False, params)
 
 
 def run_ranks(conn: Connection, run_ids: list[int]) -> list[int] | None:
@@ -189,16 +196,11 @@ def roll_up(
     per_bucket = BUCKET_STEPS * max(1, len(ids)) * (MAX_RANK_LIST if ranks is None else max(1, len(ranks)))
     last_step = min(last_step, first + max(1, max_values // per_bucket) * BUCKET_STEPS - 1)
     if ids:
-        params: dict[str, Any] = {
-            "ids": list(ids),
-            "first": first,
-            "last": last_step // BUCKET_STEPS * BUCKET_STEPS + BUCKET_STEPS - 1,
-        }
-        if ranks is not None:
-            params["ranks"] = ranks
-        for statement in _ROLL[ranks is not None]:
+        last = last_step // BUCKET_STEPS * BUCKET_STEPS + BUCKET_STEPS - 1
+        ranked, params = ranked_params({"ids": list(ids), "first": first, "last": last}, ranks)
+        for statement in _ROLL[ranked]:
             conn.execute(statement, params)
-        _roll_levels(conn, list(ids), ranks, first, params["last"], max(mark, last_step))
+        _roll_levels(conn, list(ids), ranks, first, last, max(mark, last_step))
     conn.execute(_MARK, {"run": run_id, "to": last_step})
     return last_step
 
@@ -215,10 +217,10 @@ def _roll_levels(
         lo, hi = first // width, min((mark + 1) // width, last // width + 1)
         if lo >= hi:
             continue  # no whole bucket of this level (nor of the coarser ones) changed
-        params: dict[str, Any] = {"ids": ids, "level": level, "below": level - 1, "lo": lo, "hi": hi}
-        if ranks is not None:
-            params["ranks"] = ranks
-        for statement in _LEVEL_ROLL[ranks is not None]:
+        ranked, params = ranked_params(
+            {"ids": ids, "level": level, "below": level - 1, "lo": lo, "hi": hi}, ranks
+        )
+        for statement in _LEVEL_ROLL[ranked]:
             conn.execute(statement, params)
 
 

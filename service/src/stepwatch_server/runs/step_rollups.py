@@ -4,10 +4,9 @@ every rank, and the curves grouped into at most `max_points / 2` groups that kee
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, bindparam, literal, select, text
+from sqlalchemy import Connection, literal, select
 
 from stepwatch_server.runs.queries import fetch_columns
 from stepwatch_server.runs.rollups import (
@@ -21,6 +20,7 @@ from stepwatch_server.runs.rollups import (
     from_points,
     in_range,
     merge,
+    ranked_params,
     resolve,
     rolled_to,
     run_ids_of,
@@ -89,15 +89,17 @@ class Groups:
 
 
 _MEAN = "CASE WHEN n > 0 THEN total / n END"
-_GROUPS_QUERY = text(
+_GROUPS_QUERY = expanding(
     f"SELECT series_id, (step - :first) / :per AS g, min({_MEAN}), max({_MEAN}), max(hi), sum(nonfinite), "
     "min(incarnation), max(incarnation) FROM step_rollups "
-    "WHERE series_id IN :ids AND step >= :first AND step <= :last GROUP BY series_id, g ORDER BY series_id, g"
-).bindparams(bindparam("ids", expanding=True))
-_RANGE_QUERY = text(
+    "WHERE series_id IN :ids AND step >= :first AND step <= :last GROUP BY series_id, g ORDER BY series_id, g",
+    False,
+)
+_RANGE_QUERY = expanding(
     "SELECT min(step), max(step), sum(n + nonfinite) FROM step_rollups "
-    "WHERE series_id IN :ids AND step >= :first AND step <= :last"
-).bindparams(bindparam("ids", expanding=True))
+    "WHERE series_id IN :ids AND step >= :first AND step <= :last",
+    False,
+)
 _RAW_RANGE = {
     ranked: expanding(f"SELECT min(step), max(step), count(*) FROM points WHERE {in_range(ranked)}", ranked)
     for ranked in (False, True)
@@ -116,10 +118,8 @@ def step_range(
     found = [conn.execute(_RANGE_QUERY, {"ids": ids, "first": first, "last": min(last, mark)}).one()]
     if last > mark:
         ranks = run_ranks(conn, run_ids_of(conn, ids))
-        params: dict[str, Any] = {"ids": ids, "first": max(first, mark + 1), "last": last}
-        if ranks is not None:
-            params["ranks"] = ranks
-        found.append(conn.execute(_RAW_RANGE[ranks is not None], params).one())
+        ranked, params = ranked_params({"ids": ids, "first": max(first, mark + 1), "last": last}, ranks)
+        found.append(conn.execute(_RAW_RANGE[ranked], params).one())
     found = [f for f in found if f[0] is not None]
     if not found:
         return None
