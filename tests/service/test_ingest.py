@@ -169,7 +169,10 @@ def test_token_required_when_set(start_collector: Callable[..., Collector]) -> N
 
 def test_heartbeat_only_batch_updates_rank(collector: Collector) -> None:
     batch = steps_batch("hb", uuid.uuid4().hex, 0, [])
-    batch["heartbeat"] = {"ts": 1_764_427_300.0, "phase": "eval", "last_step": 41}
+    batch["heartbeat"] = {
+        "ts": 1_764_427_300.0, "phase": "eval", "last_step": 41, "forwards": 90, "nograd_forwards": 49,
+        "stack": ["torch.nn.modules.module:Module._call_impl", "train:evaluate", "__main__:<module>"],
+    }  # fmt: skip
     r = collector.post(batch)
     assert r.status_code == 200 and r.json()["rows"] == 0
     (state,) = collector.get("/api/v1/runs/hb/ranks")["ranks"]

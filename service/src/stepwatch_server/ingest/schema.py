@@ -17,6 +17,8 @@ MAX_VALUES_PER_BATCH = 1_000_000
 MAX_EVENT_DATA_BYTES = 4 * 1024
 MAX_NODE_CHARS = 200
 MAX_PHASE_CHARS = 200
+MAX_STACK_FRAMES = 16  # heartbeat.stack: innermost frames of the training thread
+MAX_FRAME_CHARS = 200  # ... each "module:function"
 MAX_AGENT_VERSION_CHARS = 64
 MAX_STEP = 2**62  # steps and counters must fit a signed 64-bit column with room to spare
 EVENT_KINDS = frozenset({"nonfinite", "phase_start", "phase_end", "note", "session_end"})
@@ -76,9 +78,20 @@ class BatchEvent:
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
+    """The rank is alive and where its training thread is (docs/ingest.md, `heartbeat`).
+
+    `forwards` / `nograd_forwards` count the watched model's forward calls in this session (all, and
+    those without autograd: evaluation, generation), so forwards that advance while no step completes
+    tell an unmarked evaluation from a hang. `stack` is the training thread's Python stack, innermost
+    frame first, as "module:function" (stepwatch's own frames left out): a save call or a collective.
+    """
+
     ts: float
     phase: str | None
     last_step: int | None
+    forwards: int | None = None
+    nograd_forwards: int | None = None
+    stack: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,8 +20,10 @@ from stepwatch_server.ingest.schema import (
     FINGERPRINT_RE,
     MAX_AGENT_VERSION_CHARS,
     MAX_EVENT_DATA_BYTES,
+    MAX_FRAME_CHARS,
     MAX_NODE_CHARS,
     MAX_PHASE_CHARS,
+    MAX_STACK_FRAMES,
     MAX_STEP,
     MAX_VALUES_PER_BATCH,
     NAME_RE,
@@ -276,17 +278,34 @@ def _events(value: Any, budget: _Budget) -> tuple[BatchEvent, ...]:
     return tuple(events)
 
 
+_HEARTBEAT_FIELDS = frozenset({"ts", "phase", "last_step", "forwards", "nograd_forwards", "stack"})
+
+
 def _heartbeat(value: Any) -> Heartbeat:
-    raw = _object(value, "heartbeat", frozenset({"ts", "phase", "last_step"}))
+    raw = _object(value, "heartbeat", _HEARTBEAT_FIELDS)
     if "ts" not in raw:
         raise _fail("heartbeat.ts", "missing")
     phase = raw.get("phase")
     last_step = raw.get("last_step")
+    forwards, nograd = raw.get("forwards"), raw.get("nograd_forwards")
     return Heartbeat(
         ts=_number(raw["ts"], "heartbeat.ts"),
         phase=None if phase is None else _string(phase, "heartbeat.phase", MAX_PHASE_CHARS),
         last_step=None if last_step is None else _int(last_step, "heartbeat.last_step", 0),
+        forwards=None if forwards is None else _int(forwards, "heartbeat.forwards", 0),
+        nograd_forwards=None if nograd is None else _int(nograd, "heartbeat.nograd_forwards", 0),
+        stack=_stack(raw.get("stack")),
     )
+
+
+def _stack(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if type(value) is not list:
+        raise _fail("heartbeat.stack", f"expected an array of strings, got {json_type(value)}")
+    if len(value) > MAX_STACK_FRAMES:
+        raise _fail("heartbeat.stack", f"at most {MAX_STACK_FRAMES} frames, got {len(value)}")
+    return tuple(_string(v, f"heartbeat.stack[{i}]", MAX_FRAME_CHARS) for i, v in enumerate(value))
 
 
 def _agent(value: Any) -> tuple[str | None, dict[str, int] | None]:
