@@ -47,5 +47,12 @@ EXAMPLE_BATCH: dict[str, Any] = {
         {"step": 3, "ts": 1764427200.4, "kind": "phase_start", "data": {"phase": "eval"}},
         {"step": 3, "ts": 1764427260.02, "kind": "phase_end", "data": {"phase": "eval"}},
     ],
-    "heartbeat": {"ts": 1764427261.0, "phase": "data", "last_step": 3},
+    "heartbeat": {
+        "ts": 1764427261.0,
+        "phase": "data",
+        "last_step": 3,
+        "forwards": 3,
+        "nograd_forwards": 0,
+        "stack": ["train:next_batch", "train:main", "__main__:<module>"],
+    },
 }
