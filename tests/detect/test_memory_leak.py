@@ -1,4 +1,5 @@
-"""`memory_leak`: a sustained slope of allocated memory, not the allocator's step-ups."""
+"""`memory_leak`: a sustained slope of memory that does not slow and threatens the run, not the
+allocator's step-ups, a drift that levels off or a sawtooth."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import csv
 
 import numpy as np
 
-from stepwatch_server.detect import StepFrame
+from stepwatch_server.detect import Anomaly, StepFrame
 from stepwatch_server.detect.context import RunContext
 from stepwatch_server.detect.detectors.memory_leak import MemoryLeakDetector
 from stepwatch_server.simulate import MemoryLeak
@@ -45,6 +46,99 @@ def _frames(alloc: np.ndarray, capacity_mb: float | None = None, step_ms: float 
         if capacity_mb is not None:
             metrics["mem.capacity_mb"] = np.full(row.shape, capacity_mb)
         yield StepFrame("r", i + 1, 1e9 + i, np.ones(row.shape[0], dtype=bool), metrics)
+
+
+H100_MB = 81_559.0
+
+
+def _run(
+    alloc: np.ndarray, capacity_mb: float | None = H100_MB, step_ms: float = 500.0
+) -> tuple[RunContext, list[Anomaly]]:
+    """Feed (steps, ranks) allocated MB to a fresh detector; every anomaly raised, as last seen."""
+    ctx = RunContext("r", alloc.shape[1])
+    det = MemoryLeakDetector(ctx, MemoryLeakDetector.Settings())
+    seen: dict[int, Anomaly] = {}
+    for i, row in enumerate(alloc):
+        metrics = {"mem.allocated_mb": row, "time.step_ms": np.full(row.shape, step_ms)}
+        if capacity_mb is not None:
+            metrics["mem.capacity_mb"] = np.full(row.shape, capacity_mb)
+        ctx.record_step_time(step_ms)
+        det.on_frame(
+            StepFrame("r", i + 1, 1e9 + i * step_ms / 1000, np.ones(row.shape[0], dtype=bool), metrics)
+        )
+        for a in ctx.book.drain_changes():
+            seen.setdefault(a.local_id, a)
+    return ctx, list(seen.values())
+
+
+def _base(steps: int, ranks: int, level_mb: float = 33_000.0, seed: int = 0) -> np.ndarray:
+    """Flat memory with the allocator's per-step noise of a few MB."""
+    rng = np.random.default_rng(seed)
+    return level_mb + rng.normal(0.0, 2.0, (steps, ranks)).round()
+
+
+def test_plateauing_drift_on_a_large_allocation_is_not_a_leak() -> None:
+    """0.3 MB/step for 400 steps on a 33 GB rank, then flat (+120 MB), and the same slope slowing
+    as it goes (+85 MB): neither would come near the device's 80 GB within the horizon."""
+    t = np.arange(1, 3001, dtype=np.float64)
+    alloc = _base(3000, 4)
+    alloc[:, 1] += 0.3 * np.clip(t - 500, 0, 400)  # linear for 400 steps, then flat
+    alloc[:, 2] += 85.0 * -np.expm1(-np.maximum(t - 500, 0) * 0.3 / 85.0)  # slows as it goes
+    _, anomalies = _run(alloc)
+    assert anomalies == []
+
+
+def test_a_40_mb_per_step_leak_is_found_within_100_steps() -> None:
+    alloc = _base(1200, 8, level_mb=30_000.0)
+    onset = 800
+    alloc[onset - 1 :, 5] += 40.0 * np.arange(1, 1200 - onset + 2)
+    _, anomalies = _run(alloc)
+    (a,) = anomalies
+    assert a.rank == 5 and a.severity == "critical"
+    assert onset <= a.detected_step <= onset + 100
+    assert 39.0 < a.evidence["mb_per_step"] < 41.0
+    assert a.evidence["seconds_to_oom"] < 3600 and "out of memory in ~" in a.summary
+
+
+def test_allocator_steps_and_a_sawtooth_are_not_leaks() -> None:
+    """Step-ups of a few hundred MB reached in 1-40 steps (the allocator, an evaluation's buffers),
+    and rank 0 collecting 600 MB over 300 steps and letting it go, again and again."""
+    t = np.arange(1, 4001, dtype=np.float64)
+    alloc = _base(4000, 4)
+    for rank, (at, size, ramp) in enumerate([(900, 350.0, 1), (1500, 800.0, 40), (2600, 250.0, 20)], start=1):
+        alloc[:, rank] += size * np.clip((t - at) / ramp, 0.0, 1.0)
+    alloc[:, 0] += 2.0 * ((t - 1) % 300)  # the sawtooth
+    _, anomalies = _run(alloc)
+    assert anomalies == []
+
+
+def test_every_rank_leaking_is_one_run_level_anomaly_beside_a_faster_one() -> None:
+    """A leak in the training code (every rank, 3 MB/step) is reported once for the run; a rank
+    that leaks 10x faster on top of it is its own anomaly, not hidden by the run-level one."""
+    alloc = _base(2000, 16, level_mb=60_000.0)
+    t = np.arange(1, 2001, dtype=np.float64)
+    alloc += 3.0 * np.clip(t - 1000, 0, None)[:, None]
+    alloc[:, 9] += 27.0 * np.clip(t - 1500, 0, None)
+    _, anomalies = _run(alloc)
+    by_key = {a.key: a for a in anomalies}
+    assert set(by_key) == {"run", "rank:9"}
+    run = by_key["run"]
+    assert run.rank is None and run.evidence["n_ranks"] == 16 and 2.9 < run.evidence["mb_per_step"] < 3.1
+    assert 1000 <= run.detected_step <= 1400
+    assert 1500 <= by_key["rank:9"].detected_step <= 1600
+
+
+def test_a_slow_leak_is_judged_by_its_threat() -> None:
+    """1 MB/step on a rank 10 GB below capacity runs out in ~3 h at 1 s a step: a leak. The same
+    slope with 50 GB free (~14 h) is past the 12 h horizon: not yet."""
+    alloc = _base(2500, 3, level_mb=30_000.0)
+    alloc[:, 1] = _base(2500, 1, level_mb=71_500.0)[:, 0]
+    t = np.arange(1, 2501, dtype=np.float64)
+    alloc[:, [0, 1]] += 1.0 * np.clip(t - 1000, 0, None)[:, None]
+    _, anomalies = _run(alloc, step_ms=1000.0)
+    (a,) = anomalies
+    assert a.rank == 1 and a.detected_step <= 1700
+    assert 2.0 * 3600 < a.evidence["seconds_to_oom"] < 3.5 * 3600 and a.severity == "warning"
 
 
 def test_projection_to_out_of_memory_and_resolution() -> None:

@@ -1,43 +1,57 @@
-"""`memory_leak`: a rank's allocated memory keeps growing, step after step, towards out-of-memory.
+"""`memory_leak`: a rank's memory keeps growing, at a pace that does not slow, towards out-of-memory.
 
 Why it matters: a leak (a list that keeps tensors, a growing cache, a graph kept alive by a logged
-loss) kills the run hours later with a CUDA OOM, usually at night, and the crash says nothing about
-the cause. Seen early, it is a slope with a date: "out of memory in ~5 h".
+loss) kills the run hours later with an out-of-memory error, usually at night, and the crash says
+nothing about the cause. Seen early, it is a slope with a date: "out of memory in ~5 h".
 
-Physics: memory is not a leak just because it rose. The caching allocator and fragmentation step
-memory up by a few hundred MB and then hold it flat (a plateau); optimizer state appears during the
-first steps. A leak is a *sustained* positive slope.
+Physics (DESIGN.md): memory is not a leak just because it rose. The caching allocator and
+fragmentation step memory up by a few hundred MB and then hold it flat; optimizer state appears
+during the first steps; evaluation leaves its buffers in the allocator; memory often drifts up
+slowly and levels off (+85 MB on a 33 GB rank that then stops growing is not a leak); a rank that
+collects something and lets it go (logging, a metrics buffer) draws a sawtooth. A leak is a
+*sustained* slope that is *not slowing down* and that *threatens* the run: it would exhaust the
+device within a horizon.
 
-Signal (per rank, vectorised): `mem.allocated_mb` (else `mem.rss_mb` for CPU runs) averaged over
-blocks of `block_steps` steps; each rank keeps a bounded ring of its last `window_blocks` block means
-that hold a value. Device memory comes with every step, so a block is 10 steps; the host RSS comes
-once per batch the agent sends (every ~2 s), so on a CPU run a block is one sample and the window is
-33 samples, however many steps lie between them. The growth between consecutive block means is
-divided by the steps between them; the window is cut into `sub_windows`
-consecutive parts and the leak condition is that the MEDIAN growth of EVERY part is at least
-`min_mb_per_step` per step. A plateau's ramp (1-40 steps) touches a few block differences of one
-part, and a median ignores them; a leak moves every difference of every part. Resolves when the
-median growth of the latest two parts is below half the threshold (hysteresis).
+Signal (per rank, vectorised over ranks): `mem.allocated_mb` (else `mem.rss_mb`, the host memory of
+a CPU run) averaged over blocks of `block_steps` steps; each rank keeps a ring of its last
+`history_blocks` block means (blocks without a value are left out: the host RSS comes once per batch
+the agent sends, every ~2 s, so there a block is one sample). At every block the detector judges the
+last n block means for each n in `windows_blocks` (a fast leak is seen in the short window, a slow
+one needs the long one). The growth per step between consecutive block means is cut into
+`sub_windows` consecutive parts; a window leaks when all of these hold:
+- **sustained**: the median growth of every part is at least `min_mb_per_step` and `part_z` standard
+  errors (from the spread of the growths themselves): an allocator step moves one part, not all;
+- **not slowing**: the last part grows at least `keep_ratio` as fast as the first (a drift that levels
+  off fails), and the window's net rise is at least `net_fraction` of slope x span (a sawtooth that
+  dropped back fails);
+- **threatening**: the memory still to come, projected from the parts (linear when they do not
+  slow, else the exponential approach their slowdown implies, whose total is finite) reaches the
+  capacity (`mem.capacity_mb`: the device's on a GPU, the host's or the cgroup's on a CPU) within the
+  horizon: steps to out-of-memory x the step time <= `horizon_s` x (window span / longest span), so a
+  short window only claims an imminent threat and a far one needs the longest window's evidence.
+  Without a capacity, the projected growth within that horizon must reach `growth_share` of the
+  current memory.
+An open anomaly stays open while the rank still grows (half the bars over the second-shortest
+window) and resolves when it stopped (or dropped back).
 
-Many ranks leaking together (at least `run_fraction` of them, e.g. a leak in the training code
-itself) is one run-level anomaly, not one per rank.
+One anomaly per leaking rank; when at least `run_fraction` of the reporting ranks leak, or more than
+`max_rank_anomalies`, it is one run-level anomaly (key `run`, a leak in the training code itself),
+with rank-level ones only for ranks leaking `outlier_factor` x faster than the run's median leak
+(a second, different leak hides behind nothing).
 
-Projection: with a device capacity known (metric `mem.capacity_mb`), steps to out-of-memory =
-(capacity - current peak (`mem.peak_mb`, else the tracked value)) / slope, and time = steps x the
-run's typical step time. Without it the summary says the capacity is unknown.
+A run resumed from a checkpoint (steps go back) starts the history again.
 
-Evidence: `metric`, `mb_per_step` (median over the window), `part_mb_per_step` (each part's
-median), `window_steps`, `growth_mb` (over the window), `current_mb`, `capacity_mb`,
-`steps_to_oom`, `seconds_to_oom`.
-
-Defaults: blocks of 10 steps, 32 blocks (320 steps) in 4 parts of 8 differences. Allocator noise
-of a few MB per step averages out in a block (the median of 8 block differences has a spread of
-~0.05 MB/step); `min_mb_per_step` 0.25 is 5x that, and still a leak that eats 1 GB per 4k steps.
-Critical when out-of-memory is projected within `critical_oom_s` (1 h), else warning.
+Evidence: `metric`, `mb_per_step` (the latest part's growth), `part_mb_per_step`, `window_steps`,
+`growth_mb` (over the window), `current_mb`, `capacity_mb`, `free_mb`, `steps_to_oom`,
+`seconds_to_oom`, `horizon_s` (of the judging window), `projected_growth_mb` (the total still to
+come when the slope slows, else null), `slowing` (last part / first part); run level also
+`n_ranks`, `ranks`, `worst_rank`.
+Severity: critical when out-of-memory is projected within `critical_oom_s` (1 h), else warning.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -52,16 +66,44 @@ RUN_KEY = "run"
 METRICS = ("mem.allocated_mb", "mem.rss_mb")  # the first one a rank reports is tracked
 CAPACITY_METRIC = "mem.capacity_mb"
 PEAK_METRIC = "mem.peak_mb"
+MEDIAN_SE = 1.2533  # standard error of a median = this x sd / sqrt(n), for normal noise
+MAD_TO_SD = 1.4826
+MAX_LISTED = 16  # ranks listed in a run-level anomaly's evidence
 
 
 @dataclass(frozen=True)
 class MemoryLeakSettings(DetectorSettings):
     block_steps: int = 10  # steps averaged into one block mean
-    window_blocks: int = 33  # block means kept per rank (32 differences)
-    sub_windows: int = 4  # consecutive parts whose median growth must all be positive
-    min_mb_per_step: float = 0.25  # smallest sustained growth that is a leak
-    run_fraction: float = 0.5  # this share of ranks leaking: one run-level anomaly
+    windows_blocks: tuple[int, ...] = (8, 16, 32, 64)  # block means judged: ~70, 150, 310, 630 steps
+    sub_windows: int = 4  # consecutive parts that must all grow
+    min_mb_per_step: float = 0.1  # smallest growth per step a part may show
+    part_z: float = 3.0  # each part's median growth >= this many standard errors
+    keep_ratio: float = 0.5  # the last part grows at least this share as fast as the first
+    net_fraction: float = 0.5  # the window's net rise >= this share of slope x span
+    horizon_s: float = 12 * 3600.0  # out-of-memory projected within this (longest window): a leak
+    growth_share: float = 1.0  # no capacity known: projected growth >= this share of current memory
+    run_fraction: float = 0.5  # this share of the reporting ranks leaking: one run-level anomaly
+    max_rank_anomalies: int = 8  # more leaking ranks than this: one run-level anomaly
+    outlier_factor: float = 2.0  # under a run-level leak, a rank this much faster gets its own
     critical_oom_s: float = 3600.0  # projected out-of-memory sooner than this: critical
+
+
+@dataclass
+class _Window:
+    """One window's verdict for every rank (arrays of length world_size)."""
+
+    leaking: np.ndarray
+    growing: np.ndarray  # passes half the bars: still growing (keeps an open anomaly open)
+    parts: np.ndarray  # (sub_windows, R) median growth per part, MB/step
+    span_steps: np.ndarray
+    growth_mb: np.ndarray
+    current_mb: np.ndarray
+    free_mb: np.ndarray
+    steps_to_oom: np.ndarray
+    seconds_to_oom: np.ndarray
+    projected_mb: np.ndarray  # growth still to come when slowing (inf when not)
+    horizon_s: np.ndarray
+    step_s: np.ndarray  # seconds per step used for the projection
 
 
 class MemoryLeakDetector(Detector):
@@ -73,14 +115,16 @@ class MemoryLeakDetector(Detector):
         assert isinstance(settings, MemoryLeakSettings)
         self.s: MemoryLeakSettings = settings
         w = ctx.world_size
+        self._h = max(settings.windows_blocks)
         self._sum = np.zeros(w)
+        self._step_sum = np.zeros(w)  # the steps of a block's samples: a sparse metric's true spacing
         self._n = np.zeros(w)
         self._block: int | None = None
-        # Per rank, a ring of the block means it reported (blocks without a value are left out) and
-        # their block indices: dense metrics fill every block, a CPU run's host RSS (one value per
-        # batch the agent sends) a block every few seconds.
-        self._means = np.full((settings.window_blocks, w), np.nan)
-        self._blocks = np.full((settings.window_blocks, w), -1, dtype=np.int64)
+        self._block_ts = float("nan")
+        # Per rank, a ring of the block means it reported, the mean step of their samples and event times.
+        self._means = np.full((self._h, w), np.nan)
+        self._pos = np.zeros((self._h, w))
+        self._ts = np.full((self._h, w), np.nan)
         self._filled = np.zeros(w, dtype=np.int64)
         self._metric: str | None = None
         self._peak = np.full(w, np.nan)
@@ -95,95 +139,174 @@ class MemoryLeakDetector(Detector):
         if values is None:
             return
         block = frame.step // self.s.block_steps
-        if self._block is not None and block != self._block:
+        if self._block is not None and block < self._block:  # a resumed run went back: start again
+            self._restart()
+        elif self._block is not None and block != self._block:
             self._close_block(frame)
-        self._block = block
+        self._block, self._block_ts = block, frame.ts
         ok = np.isfinite(values)
         self._sum[ok] += values[ok]
+        self._step_sum[ok] += frame.step
         self._n[ok] += 1
         for name, store in ((PEAK_METRIC, self._peak), (CAPACITY_METRIC, self._capacity)):
             col = frame.metrics.get(name)
             if col is not None:
                 np.copyto(store, col, where=np.isfinite(col))
 
+    def _restart(self) -> None:
+        self._sum[:] = 0.0
+        self._step_sum[:] = 0.0
+        self._n[:] = 0.0
+        self._filled[:] = 0
+        self._means[:] = np.nan
+
     def _close_block(self, frame: StepFrame) -> None:
         assert self._block is not None
         has = np.flatnonzero(self._n > 0)
         if has.size:
-            rows = self._filled[has] % self.s.window_blocks
+            rows = self._filled[has] % self._h
             self._means[rows, has] = self._sum[has] / self._n[has]
-            self._blocks[rows, has] = self._block
+            self._pos[rows, has] = self._step_sum[has] / self._n[has]
+            self._ts[rows, has] = self._block_ts
             self._filled[has] += 1
         self._sum[:] = 0.0
+        self._step_sum[:] = 0.0
         self._n[:] = 0.0
-        if has.size and (self._filled[has] >= self.s.window_blocks).any():
+        if has.size and (self._filled[has] >= min(self.s.windows_blocks)).any():
             self._judge(frame)
+
+    # -- the verdict ---------------------------------------------------------------------------------
+    def _window(self, n: int, step_s: float) -> _Window:
+        s, h = self.s, self._h
+        idx = (self._filled[None, :] - n + np.arange(n)[:, None]) % h  # the last n, oldest first
+        full = self._filled >= n
+        means = np.take_along_axis(self._means, idx, axis=0)
+        pos = np.take_along_axis(self._pos, idx, axis=0)
+        ts = np.take_along_axis(self._ts, idx, axis=0)
+        gaps = np.maximum(np.diff(pos, axis=0), 1.0)
+        # Ranks without n block means yet get zeros (judged not leaking below), so no NaN reaches a median.
+        growth = np.where(full, np.diff(np.nan_to_num(means), axis=0) / gaps, 0.0)  # MB/step, (n - 1, R)
+        parts = np.stack([np.median(p, axis=0) for p in np.array_split(growth, s.sub_windows)])
+        slope = np.median(growth, axis=0)
+        noise = MAD_TO_SD * np.median(np.abs(growth - slope), axis=0)
+        per_part = max(1, (n - 1) // s.sub_windows)
+        bar = np.maximum(s.min_mb_per_step, s.part_z * MEDIAN_SE * noise / math.sqrt(per_part))
+        span = pos[-1] - pos[0]
+        net = means[-1] - means[0]
+        first, last = parts[0], parts[-1]
+        with np.errstate(all="ignore"):
+            sustained = np.all(parts >= bar, axis=0)
+            kept = (last >= s.keep_ratio * first) & (net >= s.net_fraction * slope * span)
+            # Growth still to come: the parts' slowdown, if any, read as an exponential approach
+            # (rate per step between the first and the last part's centres), whose total is finite.
+            dist = np.maximum(span * (s.sub_windows - 1) / s.sub_windows, 1.0)
+            # Only a slowdown the noise cannot explain (2 standard errors of the difference of two parts).
+            slower = first - last > 2.0 * math.sqrt(2.0) * MEDIAN_SE * noise / math.sqrt(per_part)
+            rate = np.where((last > 0) & slower, np.log(first / last) / dist, 0.0)
+            projected = np.where(rate > 0, last / rate, np.inf)
+            current = np.where(np.isfinite(self._peak), self._peak, means[-1])
+            free = self._capacity - current
+            frac = np.where(rate > 0, free * rate / last, 0.0)
+            steps_to_oom = np.where(
+                free <= 0, 0.0,
+                np.where(rate > 0, np.where(frac < 1, -np.log1p(-frac) / np.where(rate > 0, rate, 1), np.inf),
+                         free / last),
+            )  # fmt: skip
+            own_step_s = (ts[-1] - ts[0]) / span
+        step_s_r = np.where(np.isfinite(step_s), step_s, own_step_s)
+        longest = (max(s.windows_blocks) - 1) * s.block_steps
+        horizon = s.horizon_s * np.minimum(1.0, span / longest)
+        seconds = steps_to_oom * step_s_r
+        with np.errstate(all="ignore"):
+            horizon_steps = horizon / step_s_r
+            grown = np.where(rate > 0, projected * -np.expm1(-rate * horizon_steps), last * horizon_steps)
+            threat = np.where(
+                np.isfinite(self._capacity), seconds <= horizon, grown >= s.growth_share * current
+            )
+            half = np.all(parts >= bar / 2, axis=0) & (last >= s.keep_ratio / 2 * first)
+        return _Window(
+            leaking=full & sustained & kept & threat,
+            growing=full & half,
+            parts=parts,
+            span_steps=span,
+            growth_mb=net,
+            current_mb=current,
+            free_mb=free,
+            steps_to_oom=steps_to_oom,
+            seconds_to_oom=seconds,
+            projected_mb=projected,
+            horizon_s=horizon,
+            step_s=step_s_r,
+        )
 
     def _judge(self, frame: StepFrame) -> None:
         s, ctx = self.s, self.ctx
-        W = s.window_blocks
-        order = (np.arange(W)[:, None] + self._filled[None, :]) % W  # oldest first, per rank
-        means = np.take_along_axis(self._means, order, axis=0)
-        blocks = np.take_along_axis(self._blocks, order, axis=0)
-        full = self._filled >= W
-        gaps = np.where(full, np.diff(blocks, axis=0), 1).astype(np.float64) * s.block_steps
-        growth = np.where(full, np.diff(means, axis=0) / gaps, np.nan)  # MB/step, (W - 1, R)
-        parts = np.array_split(growth, s.sub_windows, axis=0)
-        with np.errstate(all="ignore"):
-            part_med = np.stack([np.nanmedian(p, axis=0) for p in parts])  # (sub_windows, R)
-            slope = np.nanmedian(growth, axis=0)
-        leaking = full & np.all(part_med >= s.min_mb_per_step, axis=0)
-        cleared = np.all(np.nan_to_num(part_med[-2:], nan=0.0) < s.min_mb_per_step / 2, axis=0)
-        window_steps = np.where(full, (blocks[-1] - blocks[0]) * s.block_steps, 0)
-        current = np.where(np.isfinite(self._peak), self._peak, means[-1])
+        typical_ms = ctx.typical_step_ms()
+        step_s = typical_ms / 1000.0 if np.isfinite(typical_ms) and typical_ms > 0 else float("nan")
+        windows = [self._window(n, step_s) for n in sorted(s.windows_blocks)]
+        R = ctx.world_size
+        leaking = np.zeros(R, dtype=bool)
+        chosen = np.full(R, -1, dtype=np.int64)  # the longest window that says "leak": the most evidence
+        for i, w in enumerate(windows):
+            chosen[w.leaking] = i
+            leaking |= w.leaking
+        growing = windows[min(1, len(windows) - 1)].growing | windows[0].growing | leaking
+        reporting = int((self._filled >= min(s.windows_blocks)).sum())
         n_leak = int(leaking.sum())
-        run_level = n_leak >= max(2, s.run_fraction * ctx.world_size)
-        for rank in np.flatnonzero(leaking).tolist() if not run_level else []:
-            self._raise(
-                f"rank:{rank}", rank, frame, float(slope[rank]), part_med[:, rank], means[:, rank],
-                float(current[rank]), int(window_steps[rank]),
-            )  # fmt: skip
+        run_level = n_leak >= 2 and (n_leak >= s.run_fraction * reporting or n_leak > s.max_rank_anomalies)
+        rank_level = np.flatnonzero(leaking)
         if run_level:
-            worst = int(np.nanargmax(np.where(leaking, slope, -np.inf)))
+            slopes = np.array([windows[chosen[r]].parts[-1, r] for r in rank_level])
+            median = float(np.median(slopes))
+            order = np.argsort(-slopes)
+            worst = int(rank_level[order[0]])
             self._raise(
-                RUN_KEY, None, frame, float(np.nanmedian(slope[leaking])), part_med[:, worst],
-                means[:, worst], float(current[worst]), int(window_steps[worst]), n_ranks=n_leak,
-                worst_rank=worst,
-            )  # fmt: skip
-        for a in ctx.book.open_of(KIND):
-            r: int | None = a.rank if a.key != RUN_KEY else a.evidence.get("worst_rank")
-            still = run_level if a.key == RUN_KEY else (r is not None and leaking[r] and not run_level)
-            done = cleared[r] if r is not None else True
-            if not still and done:
-                ctx.book.resolve(KIND, a.key, step=frame.step, ts=frame.ts, note="memory stopped growing")
+                RUN_KEY, None, frame, windows[chosen[worst]], worst, ranks=rank_level, run_median=median
+            )
+            fast = [int(rank_level[i]) for i in order if slopes[i] >= s.outlier_factor * median]
+            rank_level = np.array(fast[: s.max_rank_anomalies], dtype=np.int64)
+        for r in rank_level.tolist():
+            self._raise(f"rank:{r}", r, frame, windows[chosen[r]], r)
+        book = ctx.book
+        for a in book.open_of(KIND):
+            if a.key == RUN_KEY:
+                still = int(growing.sum()) >= max(2, s.run_fraction * reporting / 2)
+            else:
+                still = a.rank is not None and bool(growing[a.rank])
+            if not still:
+                book.resolve(KIND, a.key, step=frame.step, ts=frame.ts, note="memory stopped growing")
 
     def _raise(
-        self, key: str, rank: int | None, frame: StepFrame, slope: float, parts: np.ndarray,
-        means: np.ndarray, current: float, window_steps: int, n_ranks: int = 1, worst_rank: int | None = None,
+        self, key: str, rank: int | None, frame: StepFrame, w: _Window, r: int,
+        ranks: np.ndarray | None = None, run_median: float | None = None,
     ) -> None:  # fmt: skip
         ctx, s = self.ctx, self.s
-        cap_r = rank if rank is not None else worst_rank
-        cap = float(self._capacity[cap_r]) if cap_r is not None else float("nan")
-        steps_to_oom = seconds_to_oom = None
-        typical_ms = ctx.typical_step_ms()
-        if np.isfinite(cap) and slope > 0:
-            steps_to_oom = max(0, int((cap - current) / slope))
-            if np.isfinite(typical_ms):
-                seconds_to_oom = round(steps_to_oom * typical_ms / 1000.0, 1)
-        growth_mb = float(np.nanmax(means) - np.nanmin(means))
+        slope = float(w.parts[-1, r]) if run_median is None else run_median
+        cap = float(self._capacity[r])
+        steps_to_oom = _int_or_none(w.steps_to_oom[r]) if np.isfinite(cap) else None
+        seconds_to_oom = None
+        if steps_to_oom is not None and np.isfinite(w.step_s[r]):
+            seconds_to_oom = round(steps_to_oom * float(w.step_s[r]), 1)
+        projected = float(w.projected_mb[r])
+        window_steps = int(w.span_steps[r])
+        growth_mb = float(w.growth_mb[r])
         evidence: dict[str, Any] = {
             "metric": self._metric,
-            "mb_per_step": round(float(slope), 3),
-            "part_mb_per_step": [round(float(x), 3) for x in parts],
+            "mb_per_step": round(slope, 3),
+            "part_mb_per_step": [round(float(x), 3) for x in w.parts[:, r]],
             "window_steps": window_steps,
             "growth_mb": round(growth_mb, 1),
-            "current_mb": round(float(current), 1),
+            "current_mb": round(float(w.current_mb[r]), 1),
             "capacity_mb": round(cap, 1) if np.isfinite(cap) else None,
+            "free_mb": _round_or_none(w.free_mb[r], 1),
             "steps_to_oom": steps_to_oom,
             "seconds_to_oom": seconds_to_oom,
+            "horizon_s": round(float(w.horizon_s[r]), 1),
+            "projected_growth_mb": round(projected, 1) if np.isfinite(projected) else None,
+            "slowing": _round_or_none(w.parts[-1, r] / w.parts[0, r], 3) if w.parts[0, r] > 0 else None,
         }
         if steps_to_oom is None:
-            oom = "device capacity unknown, no out-of-memory projection"
+            oom = f"device capacity unknown; at this pace +{slope * 1000:,.0f} MB per 1,000 steps"
         elif seconds_to_oom is None:
             oom = f"out of memory in ~{steps_to_oom:,} steps at {cap / 1024:.0f} GB"
         else:
@@ -192,11 +315,12 @@ class MemoryLeakDetector(Detector):
         if rank is not None:
             who = ctx.where(rank)
         else:
-            evidence.update(n_ranks=n_ranks, worst_rank=worst_rank)
-            who = f"{n_ranks} of {ctx.world_size} ranks"
+            assert ranks is not None
+            evidence.update(n_ranks=int(ranks.size), ranks=[int(x) for x in ranks[:MAX_LISTED]], worst_rank=r)
+            who = f"{ranks.size} of {ctx.world_size} ranks"
         summary = (
             f"{who}: {what} memory growing {slope:.2f} MB/step for {window_steps} steps "
-            f"(+{growth_mb:,.0f} MB); {oom}"
+            f"(+{growth_mb:,.0f} MB), not slowing; {oom}"
         )
         critical = seconds_to_oom is not None and seconds_to_oom < s.critical_oom_s
         ctx.book.raise_(
@@ -211,6 +335,14 @@ class MemoryLeakDetector(Detector):
             node=ctx.node[rank] if rank is not None else None,
             first_step=frame.step - window_steps,
         )
+
+
+def _int_or_none(x: float) -> int | None:
+    return int(x) if np.isfinite(x) else None
+
+
+def _round_or_none(x: float, digits: int) -> float | None:
+    return round(float(x), digits) if np.isfinite(x) else None
 
 
 def _duration(seconds: float) -> str:
