@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
+from stepwatch_server.detect import Anomaly, StepFrame
+from stepwatch_server.detect.context import RunContext
+from stepwatch_server.detect.detectors.loss_spike import LossSpikeDetector
 from stepwatch_server.simulate import SCENARIOS
 from tests.conftest import require
 from tests.detect.helpers import run_scenario, scenario
@@ -51,9 +56,64 @@ def test_real_log_one_step_spike_at_14738_is_flagged() -> None:
     by_step = {a.first_step: a for a in found}
     a = by_step[14738]
     assert a.detected_step == 14738 and a.last_step == 14738 and a.resolved_step == 14741
-    assert 1.8 < a.evidence["ratio"] < 1.9
+    assert 1.8 < a.evidence["ratio"] < 1.95
     # The log's rank-0 micro-batch loss has other one-step jumps of the same size (5964 is 1.87x):
     # they are flagged too, each a one-step info (no grad norm logged to corroborate), nothing else.
     assert {5964, 8246, 17992, 20133} <= by_step.keys()
     assert len(found) <= 30
     assert all(x.severity == "info" and x.evidence["ratio"] >= 1.4 and x.status == "resolved" for x in found)
+
+
+def _frames(loss: np.ndarray, grad: np.ndarray) -> list[StepFrame]:
+    return [
+        StepFrame(
+            "r",
+            i + 1,
+            1e9 + i,
+            np.ones(1, dtype=bool),
+            {"loss": loss[i : i + 1], "grad_norm": grad[i : i + 1]},
+        )
+        for i in range(loss.size)
+    ]
+
+
+def _spikes(loss: np.ndarray, grad: np.ndarray) -> list[Anomaly]:
+    ctx = RunContext("r", 1)
+    det = LossSpikeDetector(ctx, LossSpikeDetector.Settings())
+    seen: dict[int, Anomaly] = {}
+    for frame in _frames(loss, grad):
+        det.on_frame(frame)
+        for a in ctx.book.drain_changes():
+            seen.setdefault(a.local_id, a)
+    return list(seen.values())
+
+
+def _curve(steps: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    s = np.arange(1, steps + 1, dtype=np.float64)
+    loss = (2.0 + 9.0 * (1.0 + s / 60.0) ** -0.55) * np.exp(rng.normal(0.0, 0.004, steps))
+    grad = 1.0 + 0.05 * rng.standard_normal(steps)
+    return loss, grad
+
+
+def test_bumps_below_1_2x_without_a_grad_norm_spike_are_not_spikes() -> None:
+    """Global-loss bumps of 1.13-1.18x that the grad norm does not share (a harder data shard) are the
+    data's, not an instability; a 1.25x one is still reported (info: uncorroborated, one step)."""
+    loss, grad = _curve(3000)
+    for at, size, length in [(700, 1.13, 3), (1200, 1.18, 1), (1700, 1.16, 5), (2200, 1.15, 2)]:
+        loss[at : at + length] *= size
+    assert _spikes(loss, grad) == []
+    loss[2600] *= 1.25
+    (a,) = _spikes(loss, grad)
+    assert a.first_step == 2601 and a.severity == "info" and not a.evidence["corroborated"]
+
+
+def test_a_spike_just_after_warm_up_is_found_while_the_loss_still_falls_fast() -> None:
+    """At step 130 the loss still falls ~1% a step: against the flat median of the 100 steps before, a
+    1.4x spike is only ~5 robust SDs; against the window's trend it is far more."""
+    loss, grad = _curve(600, seed=1)
+    loss[129:132] *= np.array([1.4, 1.25, 1.1])
+    grad[128] *= 4.0
+    (a,) = _spikes(loss, grad)
+    assert a.first_step == 130 and a.detected_step == 130 and a.evidence["corroborated"]
+    assert 1.35 < a.evidence["ratio"] < 1.5 and a.evidence["z"] > 10

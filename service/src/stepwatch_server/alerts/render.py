@@ -23,7 +23,7 @@ SLACK_HEADER_MAX_CHARS = 150  # Block Kit limits
 SLACK_TEXT_MAX_CHARS = 3000
 SLACK_FIELD_MAX_CHARS = 2000
 KEY_EVIDENCE: dict[str, tuple[str, ...]] = {
-    "loss_spike": ("loss", "baseline_median", "ratio", "z", "grad_norm_ratio"),
+    "loss_spike": ("loss", "baseline", "ratio", "z", "grad_norm_ratio"),
     "divergence": ("loss", "baseline_median", "ratio", "elevated_steps", "trend_rise"),
     "nonfinite": ("where", "module", "n_ranks", "step"),
     "straggler": ("phase", "ratio", "phase_ms", "peers_median_ms", "step_fraction_lost", "slow_steps"),

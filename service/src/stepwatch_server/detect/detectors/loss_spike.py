@@ -106,6 +106,31 @@ class RobustWindow:
         mad = _median(np.abs(v - med))
         return med, max(MAD_TO_SD * mad, MAD_FLOOR_REL * abs(med))
 
+    def ordered(self) -> np.ndarray:
+        """The values, oldest first."""
+        v = self.values()
+        return np.roll(v, -(self.n % v.size)) if self.full else v
+
+    def trend_next(self) -> tuple[float, float]:
+        """(the value the window's robust line predicts for the next one, the robust standard
+        deviation of the values around that line). The line runs through the window's median with
+        the slope between the medians of its two halves, so a loss still falling fast (just after
+        warm-up) is judged against where it is going, not against the level it fell from, and one
+        earlier spike moves neither."""
+        v = self.ordered()
+        n = v.size
+        half = n // 2
+        if half < 2:
+            med, sd = self.median_sd()
+            return med, sd
+        slope = (_median(v[n - half :]) - _median(v[:half])) / (n - half)  # per value
+        x = np.arange(n) - (n - 1) / 2.0
+        med = _median(v - slope * x)
+        resid = v - (med + slope * x)
+        sd = MAD_TO_SD * _median(np.abs(resid - _median(resid)))
+        pred = med + slope * (n + 1) / 2.0
+        return pred, max(sd, MAD_FLOOR_REL * abs(pred))
+
 
 def _median(v: np.ndarray) -> float:
     """np.median without its generality (no NaN handling, 1-D): the hot path of both loss detectors."""
@@ -121,7 +146,8 @@ def _median(v: np.ndarray) -> float:
 class LossSpikeSettings(DetectorSettings):
     window_frames: int = 100  # baseline length: enough for a stable median, short next to the schedule
     warmup_frames: int = 100  # steps with a loss before anything is judged
-    min_rel_jump: float = 0.15  # loss >= 1.15x the baseline median
+    min_rel_jump: float = 0.15  # loss >= 1.15x the baseline, with a grad-norm spike to corroborate it
+    min_rel_jump_alone: float = 0.2  # ... and >= 1.2x without one: smaller bumps are the data's
     min_z: float = 10.0  # and >= 10 robust SDs above it (real micro-batch losses are heavy-tailed)
     sudden_frames: int = 5  # the jump is also measured against the median of these last steps
     sudden_fraction: float = 0.5  # ... and at least this share of it must be sudden
@@ -150,6 +176,10 @@ class LossSpikeDetector(Detector):
         self._recovered = 0
         self._peak: tuple[float, int] = (0.0, -1)  # (ratio, step)
         self._first: dict[str, Any] = {}  # evidence at onset
+        self._frozen = (
+            float("nan"),
+            float("nan"),
+        )  # the baseline (prediction, sd) an open spike is judged by
 
     def on_frame(self, frame: StepFrame) -> None:
         gn = global_grad_norm(frame)
@@ -169,11 +199,15 @@ class LossSpikeDetector(Detector):
         if self.seen <= self.s.warmup_frames or self.base.n < self.s.window_frames // 2:
             self._learn(gl, gn)
             return
-        med, sd = self.base.median_sd()
-        ratio, z = gl / med, (gl - med) / sd
         if book.is_open(KIND, KEY):
-            self._follow(frame, gl, gn, med, ratio, z)
+            med, sd = self._frozen
+            self._follow(frame, gl, gn, med, gl / med, (gl - med) / sd)
             return
+        med, sd = self.base.trend_next()
+        if not med > 0:
+            self._learn(gl, gn)
+            return
+        ratio, z = gl / med, (gl - med) / sd
         short = self.recent.median()
         sudden = gl / short if short > 0 else ratio
         jump = ratio - 1.0
@@ -182,9 +216,13 @@ class LossSpikeDetector(Detector):
             and z >= self.s.min_z
             and sudden - 1.0 >= self.s.sudden_fraction * jump
         ):
-            self._open(frame, gl, med, sd, ratio, z, sudden)
-            self.recent.push(gl)
-            return
+            g_ratio, _ = self._grad_spike()
+            corroborated = g_ratio is not None and g_ratio >= self.s.grad_spike_ratio
+            if corroborated or jump >= self.s.min_rel_jump_alone:
+                self._frozen = (med, sd)
+                self._open(frame, gl, med, sd, ratio, z, sudden)
+                self.recent.push(gl)
+                return
         self._learn(gl, gn)
 
     def _learn(self, gl: float, gn: float) -> None:
@@ -202,8 +240,8 @@ class LossSpikeDetector(Detector):
         g_ratio, g_step = self._grad_spike()
         self._first = {
             "loss": round(gl, 6),
-            "baseline_median": round(med, 6),
-            "baseline_mad": round(sd / MAD_TO_SD, 6),
+            "baseline": round(med, 6),
+            "baseline_sd": round(sd, 6),
             "ratio": round(ratio, 4),
             "z": round(z, 2),
             "sudden_ratio": round(sudden, 4),
@@ -250,7 +288,7 @@ class LossSpikeDetector(Detector):
             grad = f"no grad-norm spike (max {e['grad_norm_ratio']:.1f}x its median)"
         summary = (
             f"loss spike at step {self._first_step()}: global loss {e['loss']:.4g} is {e['ratio']:.2f}x "
-            f"its rolling median {e['baseline_median']:.4g} ({e['z']:.0f} robust SDs); {grad}"
+            f"its rolling baseline {e['baseline']:.4g} ({e['z']:.0f} robust SDs); {grad}"
         )
         if peak_step != self._first_step():
             summary += f"; peak {peak:.2f}x at step {peak_step}"
