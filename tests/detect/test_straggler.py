@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from stepwatch_server.detect import Anomaly
+import numpy as np
+
+from stepwatch_server.detect import Anomaly, EngineSettings, StepFrame
+from stepwatch_server.detect.context import RunContext
+from stepwatch_server.detect.registry import DETECTORS
 from stepwatch_server.simulate import Straggler
 from tests.detect.helpers import run_scenario, scenario
 
@@ -68,3 +72,74 @@ def test_quiet_on_clean_runs_with_evals_gc_and_blips() -> None:
     ):
         _, anomalies = run_scenario(scenario(name, **changes), kinds=KINDS)
         assert anomalies == [], (name, [a.summary for a in anomalies])
+
+
+def test_a_data_hiccup_of_20_steps_on_a_node_or_a_rank_is_not_a_straggler() -> None:
+    """A node whose ranks wait 2-8x longer for data for 20 steps (a shared filesystem hiccup), and one
+    rank's data wait several step times long for 10 steps: transient, and not the ranks' own pace."""
+    hiccup = tuple(Straggler(r, 500, factor=2.0 + r, phase="data", duration=20) for r in range(8, 14))
+    stall = (Straggler(3, 900, factor=60.0, phase="data", duration=10),)
+    sc = scenario("straggler_10pct_data_16", steps=1300, faults=hiccup + stall)
+    _, anomalies = run_scenario(sc, kinds=KINDS)
+    assert anomalies == [], [a.summary for a in anomalies]
+
+
+def test_local_rank_0_doing_more_data_work_from_the_start_is_its_normal() -> None:
+    extra = tuple(Straggler(r, 1, factor=1.5, phase="data") for r in (0, 8))  # local rank 0 of each node
+    sc = scenario("straggler_10pct_data_16", steps=1500, faults=extra)
+    _, anomalies = run_scenario(sc, kinds=KINDS)
+    assert anomalies == [], [a.summary for a in anomalies]
+
+
+def test_a_straggler_on_top_of_its_own_slower_normal_is_still_found() -> None:
+    """Rank 0 does 1.5x its peers' data work from the start (learnt as its normal); from step 600 its
+    loader is 3x slower still."""
+    sc = scenario(
+        "straggler_10pct_data_16", steps=800,
+        faults=(Straggler(0, 1, factor=1.5, phase="data"), Straggler(0, 600, factor=3.0, phase="data")),
+    )  # fmt: skip
+    _, anomalies = run_scenario(sc, kinds=KINDS)
+    a = _only(anomalies, "straggler")
+    assert a.rank == 0 and a.evidence["phase"] == "data" and 600 <= a.detected_step <= 650
+
+
+def test_small_runs_blame_the_rank_slower_before_the_collective() -> None:
+    """2 and 3 ranks: the peers' median is one or two ranks and their spread is the straggler itself."""
+    for world_size, rank in ((2, 1), (3, 0)):
+        sc = scenario(
+            "straggler_10pct_data_16", world_size=world_size, steps=600, step_ms=12.5,
+            faults=(Straggler(rank, 1, factor=80.0, phase="data"),),
+        )  # fmt: skip
+        _, anomalies = run_scenario(sc, kinds=KINDS)
+        a = _only(anomalies, "straggler")
+        assert a.rank == rank and a.evidence["phase"] == "data" and a.detected_step <= 160, world_size
+    sc = scenario("straggler_10pct_data_16", world_size=2, steps=700, faults=(Straggler(0, 400, factor=1.3),))
+    _, anomalies = run_scenario(sc, kinds=KINDS)
+    a = _only(anomalies, "straggler")
+    assert a.rank == 0 and a.evidence["phase"] == "forward" and a.detected_step <= 450
+
+
+def test_peers_waiting_in_forward_for_a_slow_loader_are_not_blamed() -> None:
+    """Where forward holds a collective (DDP's buffer broadcast), the healthy rank of a 2-rank run waits
+    there for the one whose loader is slow: its forward is long, but the slow rank is the other."""
+    ctx = RunContext("r", 2)
+    settings = EngineSettings(kinds=KINDS)
+    dets = [cls(ctx, settings.settings_for(cls)) for cls in DETECTORS if cls.kind in KINDS]
+    rng = np.random.default_rng(0)
+    seen: dict[int, Anomaly] = {}
+    for step in range(1, 401):
+        noise = rng.normal(1.0, 0.02, (3, 2))
+        data = np.array([0.5, 41.0]) * noise[0]
+        forward = np.array([8.0 + 40.5, 8.0]) * noise[1]  # rank 0 waits for rank 1 inside forward
+        backward = np.array([12.0, 12.0]) * noise[2]
+        metrics = {"time.data_ms": data, "time.forward_ms": forward, "time.backward_ms": backward,
+                   "time.step_ms": np.full(2, 62.0)}  # fmt: skip
+        ctx.record_step_time(62.0)
+        frame = StepFrame("r", step, 1e9 + step * 0.062, np.ones(2, dtype=bool), metrics)
+        for d in dets:
+            d.on_frame(frame)
+        for a in ctx.book.drain_changes():
+            seen.setdefault(a.local_id, a)
+    found = list(seen.values())
+    a = _only(found, "straggler")
+    assert a.rank == 1 and a.evidence["phase"] == "data"

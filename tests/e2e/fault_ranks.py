@@ -11,7 +11,9 @@
   their all-reduce;
 - `nan`: the `poison` module returns NaN; like a mixed-precision loop, every rank skips the optimizer step
   when the all-reduced gradients are non-finite;
-- `leak`: the loop keeps a list of the tensors it makes each step (1 MB a step), so the rank's memory grows.
+- `leak`: the loop keeps a list of the tensors it makes each step (1 MB a step), so the rank's memory grows;
+- `slow_data`: the rank's data loader takes `--fault-data-ms` per step instead of `--data-ms` (a starved
+  loader); the others wait for it in the gradient all-reduce.
 
 Every process is bounded: it exits by itself at `--deadline-s` seconds after start (the collective timeout
 is shorter than that), and the test kills what is left.
@@ -81,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument(name, required=True)
     p.add_argument("--deadline-s", type=float, required=True)
     p.add_argument("--data-ms", type=float, default=DATA_MS, help="every rank's data loader time per step")
+    p.add_argument("--fault-data-ms", type=float, default=DATA_MS, help="slow_data: the faulty rank's")
     p.add_argument("--spool-dir", required=True)
     a = p.parse_args(argv)
     deadline = time.monotonic() + a.deadline_s
@@ -116,7 +119,8 @@ def main(argv: list[str] | None = None) -> None:
                 kept.append(torch.ones(LEAK_FLOATS_PER_STEP))
             model.slow.active = a.fault == "slow_forward"
             model.poison.active = a.fault == "nan"
-        time.sleep(a.data_ms / 1000)
+        slow_data = faulty and a.fault == "slow_data" and step >= a.fault_step
+        time.sleep((a.fault_data_ms if slow_data else a.data_ms) / 1000)
         x = torch.randn(BATCH, 16, generator=gen)
         loss = torch.nn.functional.mse_loss(ddp(x), x[:, :1])
         optimizer.zero_grad(set_to_none=True)

@@ -53,16 +53,19 @@ def ranks(
     fault_step: int,
     steps: int,
     data_ms: float = 5.0,
+    world_size: int = WORLD_SIZE,
+    fault_data_ms: float = 5.0,
 ) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Start the 4 rank processes; at exit kill those still running (by their own pids)."""
+    """Start the rank processes; at exit kill those still running (by their own pids)."""
     port = free_port()
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        for rank in range(WORLD_SIZE):
+        for rank in range(world_size):
             cmd = [sys.executable, "-m", "tests.e2e.fault_ranks", "--rank", str(rank)]
-            cmd += ["--world-size", str(WORLD_SIZE), "--master-port", str(port), "--url", collector.url]
+            cmd += ["--world-size", str(world_size), "--master-port", str(port), "--url", collector.url]
             cmd += ["--run", run, "--fault", fault, "--fault-rank", str(fault_rank)]
             cmd += ["--fault-step", str(fault_step), "--steps", str(steps), "--data-ms", str(data_ms)]
+            cmd += ["--fault-data-ms", str(fault_data_ms)]
             cmd += ["--deadline-s", str(RANK_DEADLINE_S), "--spool-dir", str(tmp_path / "spool")]
             with (tmp_path / f"rank-{rank}.log").open("ab") as log:
                 procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
@@ -77,7 +80,7 @@ def ranks(
 
 def logs(tmp_path: Path) -> str:
     return "\n".join(
-        f"--- rank {r}:\n{(tmp_path / f'rank-{r}.log').read_text()[-1500:]}" for r in range(WORLD_SIZE)
+        f"--- {path.stem}:\n{path.read_text()[-1500:]}" for path in sorted(tmp_path.glob("rank-*.log"))
     )
 
 
@@ -86,7 +89,7 @@ def wait_finished(procs: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         time.sleep(0.2)
     codes = [p.poll() for p in procs]
-    assert codes == [0] * WORLD_SIZE, f"rank exit codes {codes}\n{logs(tmp_path)}"
+    assert codes == [0] * len(procs), f"rank exit codes {codes}\n{logs(tmp_path)}"
 
 
 def detection_idle(collector: Collector) -> None:
@@ -145,6 +148,24 @@ def test_a_rank_slower_in_forward_is_one_straggler_and_nothing_else(
     assert straggler["evidence"]["ratio"] > 1.5
     assert straggler["evidence"]["step_fraction_lost"] > 0.05  # 20 ms more forward in a ~40 ms step
     assert straggler["detected_step"] >= 30, straggler  # how soon is the simulator tests' (noise-free) job
+
+
+def test_in_a_2_rank_run_the_rank_waiting_on_its_data_loader_is_the_straggler(
+    collector: Collector, tmp_path: Path
+) -> None:
+    """The issue's case: rank 1 waits 41 ms on its data loader every step against 0.5 ms on rank 0, for
+    400 steps. With two ranks "the median of its peers" is the other rank and the ranks' spread is the
+    straggler itself; rank 1 must be reported (from its data time, before the collective), rank 0 not."""
+    run = f"small-{uuid.uuid4().hex[:8]}"
+    with ranks(
+        collector, tmp_path, run, "slow_data", fault_rank=1, fault_step=1, steps=400, data_ms=0.5,
+        world_size=2, fault_data_ms=41.0,
+    ) as procs:  # fmt: skip
+        wait_finished(procs, tmp_path)
+    detection_idle(collector)
+    found = anomalies(collector, run)
+    assert [(a["kind"], a["rank"]) for a in found] == [("straggler", 1)], found
+    assert found[0]["evidence"]["phase"] == "data" and found[0]["evidence"]["ratio"] > 10, found
 
 
 def test_a_rank_that_stops_stepping_is_a_hang_blaming_it(collector: Collector, tmp_path: Path) -> None:

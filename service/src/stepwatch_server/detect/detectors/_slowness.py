@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -84,6 +85,9 @@ class SlownessSettings(DetectorSettings):
     node_fraction: float = 0.75  # share of a node's ranks slow together that makes it a slow node
     warmup_steps: int = 10  # first steps of a run: compilation and autotuning, not judged
     skip_after_pause_steps: int = 5  # steps after a marked pause (eval, checkpoint) not judged
+    learn_steps: int = 100  # first judged steps: each rank's own data offset is learnt, not judged
+    max_normal_data_ratio: float = 1.6  # ... up to this (local rank 0 decoding or logging for its node)
+    min_spread_ranks: int = 4  # fewer ranks: their spread is the straggler itself, chance is the unit
 
 
 def slowness_settings(settings: DetectorSettings) -> SlownessSettings:
@@ -157,6 +161,10 @@ class RankSlowness:
         self.judged_steps = 0
         self.mean = np.zeros((P, R))  # window mean of the clipped log ratio
         self.base = np.zeros((P, R))  # the rank's own normal log ratio (slow EWMA of `mean`)
+        # How far a rank's own normal may sit from its peers', per phase: GPUs differ by a few percent,
+        # data work by design (see learn_steps).
+        self._cap = np.array([math.log(s.max_normal_data_ratio), math.log(s.min_ratio)])[:, None]
+        self._learnt = np.zeros(R)  # judged steps each rank's data offset was learnt over
         self.z = np.zeros((P, R))  # robust z of mean - base across ranks
         self.slow_now = np.zeros(R, dtype=bool)
         self.phase = np.zeros(R, dtype=np.int64)  # the phase that makes the rank slow (largest excess)
@@ -219,7 +227,12 @@ class RankSlowness:
     def _push(self, raw: np.ndarray) -> None:
         slot = self._pushes % self.s.window_steps
         valid = np.isfinite(raw)
-        logs = np.where(valid, np.clip(np.log(np.where(valid, raw, 1.0)), -self._clip, self._clip), 0.0)
+        # Clipped around the rank's own normal, so a rank whose normal is slower than its peers (more
+        # data work by design) still shows a slowdown on top of it.
+        own = np.clip(self.base, -self._cap, self._cap)
+        logs = np.where(
+            valid, own + np.clip(np.log(np.where(valid, raw, 1.0)) - own, -self._clip, self._clip), 0.0
+        )
         old = self._log[slot]
         self._sum -= old
         self._sumsq -= old * old
@@ -249,13 +262,16 @@ class RankSlowness:
             sd = np.sqrt(np.maximum(self._sumsq / np.maximum(self._count, 1) - mean * mean, 0.0))
         self.noise = _row_median(np.where(enough, sd, np.nan))[:, 0]
         lo = math.log(s.min_ratio)
-        change = mean - np.clip(self.base, -lo, lo)  # against the rank's own normal offset
+        learning = self.judged_steps <= s.learn_steps
+        change = mean - np.clip(self.base, -self._cap, self._cap)  # against the rank's own normal offset
         dev = change - _row_median(change)
         # The bar's unit: the larger of what chance gives a window mean (per-step noise / sqrt(n))
-        # and the ranks' actual spread (offsets not yet learnt), never below min_scale.
+        # and the ranks' actual spread (offsets not yet learnt), never below min_scale. With fewer than
+        # min_spread_ranks ranks the "spread" is the straggler itself: chance alone is the unit.
         with np.errstate(invalid="ignore", divide="ignore"):
             chance = np.nan_to_num(self.noise)[:, None] / np.sqrt(np.maximum(self._count, 1))
-        spread = MAD_TO_SIGMA * _row_median(np.abs(dev))
+        enough_ranks = np.isfinite(dev).sum(axis=1, keepdims=True) >= s.min_spread_ranks
+        spread = np.where(enough_ranks, MAD_TO_SIGMA * _row_median(np.abs(dev)), 0.0)
         scale = np.maximum(np.maximum(chance, spread), s.min_scale)
         self.z = dev / scale
         share = np.nan_to_num(self.share, nan=1.0)[:, None]  # unknown step time: no floor
@@ -268,7 +284,26 @@ class RankSlowness:
                 & (self.z >= s.min_z / 2)
                 & (excess >= s.min_excess_frac / 2)
             )
+        hot &= self._persistent(hot, lo)
+        if learning:
+            # A rank's own data work is learnt as its normal over the first judged steps (local rank 0
+            # often decodes or logs for its node), unless it is slower than any normal can be.
+            too_slow = self._median_log(0) > math.log(s.max_normal_data_ratio)
+            hot[0] &= too_slow
+            learn0 = np.isfinite(mean[0]) & ~too_slow
+            self._learnt[learn0] += 1
+            self.base[0, learn0] += (mean[0, learn0] - self.base[0, learn0]) / self._learnt[learn0]
+        # Forward holds a wait (DDP's buffer broadcast, FSDP's all-gathers) when a rank slow in data
+        # is FASTER than its peers in forward: it is the one they wait for there, so their long
+        # forwards are theirs to wait, not to blame.
+        with np.errstate(invalid="ignore"):
+            waits_in_forward = bool(np.any((mean[0] >= lo) & (mean[1] <= -lo)))
+        if waits_in_forward:
+            hot[1] &= mean[0] >= lo
+            warm[1] &= mean[0] >= lo
         learn = np.isfinite(mean) & ~warm & ~self.slow[None, :]  # never learn a slowdown as normal
+        if learning:
+            learn[0] = False
         self.base[learn] += (mean[learn] - self.base[learn]) / s.baseline_steps
         self.slow_now = hot.any(axis=0)
         still = warm.any(axis=0)
@@ -292,6 +327,26 @@ class RankSlowness:
         self.slow_since[start] = self._run_step[start]  # the step its window first crossed the bar
         self.slow_since_ts[start] = self._run_ts[start]
         self.slow = (self.slow | start) & ~stop
+
+    def _median_log(self, phase: int, ranks: np.ndarray | None = None) -> np.ndarray:
+        """Median over the window of each rank's unclipped log ratio in `phase` (NaN: no values)."""
+        raw = self._raw[:, phase, :] if ranks is None else self._raw[:, phase, ranks]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # a rank with no value yet: NaN is the answer
+            return np.asarray(np.log(np.nanmedian(raw, axis=0)))
+
+    def _persistent(self, hot: np.ndarray, lo: float) -> np.ndarray:
+        """Of the hot (phase, rank) pairs, those whose slowness holds for most of the window: the
+        median of the unclipped per-step ratio is slow too. A hiccup (a node's or a rank's data wait
+        several times longer for up to ~half the window) moves the clipped mean, not the median."""
+        out = np.zeros_like(hot)
+        for p in range(hot.shape[0]):
+            ranks = np.flatnonzero(hot[p])
+            if ranks.size:
+                base = np.clip(self.base[p, ranks], -self._cap[p, 0], self._cap[p, 0])
+                with np.errstate(invalid="ignore"):
+                    out[p, ranks] = self._median_log(p, ranks) - base >= lo
+        return out
 
     def _node_verdicts(self, frame: StepFrame, still: np.ndarray) -> None:
         s = self.s
