@@ -67,12 +67,17 @@ def report_log(path: Path, context: int = 0) -> tuple[str, list[Anomaly]]:
 
 
 def _context(table: LogTable, ts: np.ndarray, n: int, a: Anomaly, context: int) -> list[str]:
-    """The rows around the anomaly's first step (found by its event time: a resumed log repeats steps)."""
+    """The rows around the anomaly's first step (the last row at or before it)."""
     shown = [c for c in CONTEXT_COLUMNS if c in table.values]
     if a.kind == "memory_leak" and "mem_allocated_mb" in table.values:
         shown.append("mem_allocated_mb")
     seg = ["segment"] if table.segments.max() > 0 else []
-    at = int(np.clip(np.searchsorted(ts, a.first_ts - 1e-6), 0, len(table) - 1))
+    # The row detected at (its event time is the frame's), then back in its segment to the first
+    # step: a detector may date first_ts at detection, and a resumed log repeats steps.
+    detected = int(np.clip(np.searchsorted(ts, a.detected_ts - 1e-6), 0, len(table) - 1))
+    rows = np.arange(len(table))
+    before = (table.segments == table.segments[detected]) & (table.steps <= a.first_step) & (rows <= detected)
+    at = int(rows[before][-1]) if before.any() else detected
     lines = [f"Context of #{n} ({a.kind}, first step {a.first_step}):", ""]
     lines.append("| step | " + " | ".join([*seg, *shown]) + " |")
     lines.append("|---" * (1 + len(seg) + len(shown)) + "|")
