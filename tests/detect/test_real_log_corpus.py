@@ -13,6 +13,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
+from tests.detect import real_log_report
 from tests.detect.real_logs import ALL_KINDS, CORPUS, corpus_logs, read_log, run_log
 
 MAX_BYTES = 5_000_000
@@ -158,3 +159,12 @@ def test_normalize_deepspeed_chat_rlhf_and_a_restart_inside_one_file() -> None:
 def test_normalize_refuses_a_log_it_does_not_know() -> None:
     with pytest.raises(ValueError, match="no supported log format"):
         _normalize().normalize(["epoch 1 loss 2.3\n"])
+
+
+def test_the_report_prints_each_log_its_anomalies_and_a_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    assert real_log_report.main(["--context", "2", "resume_torch_dist", "deepspeed-chat"]) == 0
+    out = capsys.readouterr().out
+    assert "## megatron_gpt3_mcore_te_tp2_pp2_resume_torch_dist_golden_values_dev_dgx_h100_and_2nd" in out
+    assert "- steps: 1..100, 150 rows, 2 segments" in out
+    assert "- columns: loss, step_time_ms, cri_loss, unsuper_loss, reward" in out
+    assert "## Summary" in out
