@@ -86,7 +86,7 @@ class SlownessSettings(DetectorSettings):
     warmup_steps: int = 10  # first steps of a run: compilation and autotuning, not judged
     skip_after_pause_steps: int = 5  # steps after a marked pause (eval, checkpoint) not judged
     learn_steps: int = 100  # first judged steps: each rank's own data offset is learnt, not judged
-    max_normal_data_ratio: float = 1.6  # ... up to this (local rank 0 decoding or logging for its node)
+    max_normal_data_ratio: float = 2.0  # ... up to this (local rank 0 decoding or logging for its node)
     min_spread_ranks: int = 4  # fewer ranks: their spread is the straggler itself, chance is the unit
 
 
