@@ -69,4 +69,11 @@ def validate(batch: dict[str, Any]) -> None:
         hb = batch["heartbeat"]
         assert isinstance(hb["ts"], int | float) and isinstance(hb["phase"], str), "heartbeat"
         assert hb["last_step"] is None or _int(hb["last_step"], 0), "heartbeat.last_step"
+        for name in ("forwards", "nograd_forwards"):
+            assert name not in hb or _int(hb[name], 0), f"heartbeat.{name}"
+        assert hb.get("nograd_forwards", 0) <= hb.get("forwards", 0), "heartbeat.nograd_forwards <= forwards"
+        stack = hb.get("stack", [])
+        assert isinstance(stack, list) and len(stack) <= 16, "heartbeat.stack: at most 16 frames"
+        assert all(isinstance(f, str) and 1 <= len(f) <= 200 for f in stack), "heartbeat.stack frames"
+        assert not any(f.split(":")[0].split(".")[0] == "stepwatch" for f in stack), "heartbeat.stack: own"
     assert n_values <= 1_000_000, "at most 1,000,000 values"

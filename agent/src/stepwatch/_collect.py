@@ -175,7 +175,14 @@ class Collector:
         return hook
 
     def _on_forward_pre(self, module: nn.Module, args: Any) -> None:
-        if self._paused or "steps" in self._off or not _grad_enabled():
+        # Counted first, paused or not: two int increments, the only work a no-grad forward costs. The
+        # sender ships the counts in each heartbeat (no-grad forwards advancing without a step: an eval).
+        live = self.live
+        live.forwards += 1
+        if not _grad_enabled():
+            live.nograd_forwards += 1
+            return
+        if self._paused or "steps" in self._off:
             return
         try:
             cur = self._cur
