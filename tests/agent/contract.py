@@ -46,6 +46,8 @@ def validate(batch: dict[str, Any]) -> None:
         assert NAME.fullmatch(name), f"metrics name {name}"
         assert len(values) == len(steps), f"metrics.{name} length"
         assert all(_value(v) for v in values), f"metrics.{name} values"
+        if name == "mem.capacity_mb":
+            assert all(v is None or (isinstance(v, float) and v > 0) for v in values), "mem.capacity_mb"
     n_values = len(steps) * len(batch.get("metrics", {}))
     if "tensors" in batch:
         t_steps = batch["tensors"]["steps"]

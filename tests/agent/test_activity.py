@@ -1,5 +1,5 @@
-"""What the heartbeat says the training thread is doing: forward counts and its stack. Real tiny models on
-CPU, a real HTTP receiver."""
+"""What the heartbeat says the training thread is doing: forward counts, its stack, and the memory capacity
+shipped with the memory values. Real tiny models on CPU, a real HTTP receiver."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import sys
 import threading
 import time
 import types
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 import stepwatch
-from stepwatch import _activity, _sender
+from stepwatch import _activity, _capacity, _sender
 
 from .conftest import Receiver, make_model, train
 from .contract import validate
@@ -189,3 +190,34 @@ def test_a_failing_stack_read_is_switched_off_once_and_heartbeats_go_on(
     assert watch.stats()["internal_errors"] == 1
     internal = [r for r in stepwatch_log.records if getattr(r, "stepwatch_internal", False)]
     assert len(internal) == 1 and "stack" in internal[0].getMessage()
+
+
+def test_memory_capacity_is_sent_with_the_host_rss(receiver: Receiver, fast: dict[str, Any]) -> None:
+    model, opt = make_model()
+    watch = stepwatch.attach(model, opt, run="capacity", url=receiver.url, **fast)
+    train(model, opt, 20)
+    watch.close(timeout_s=5)
+    records = receiver.records()
+    with_rss = [s for s, m in records.items() if m.get("mem.rss_mb") is not None]
+    with_capacity = [s for s, m in records.items() if m.get("mem.capacity_mb") is not None]
+    assert with_rss and with_capacity == with_rss  # CPU: the host capacity beside the host RSS
+    physical_mb = _capacity.physical_bytes() / 2**20  # type: ignore[operator]
+    for step in with_capacity:
+        capacity, rss = records[step]["mem.capacity_mb"], records[step]["mem.rss_mb"]
+        assert rss < capacity <= physical_mb, (capacity, rss, physical_mb)
+    assert records[with_capacity[0]]["mem.capacity_mb"] == pytest.approx(_capacity.host_capacity_mb())
+
+
+def test_host_capacity_takes_a_cgroup_limit_when_one_is_set(tmp_path: Path) -> None:
+    physical_mb = _capacity.physical_bytes() / 2**20  # type: ignore[operator]
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    v2.write_text("max\n")
+    v1.write_text("9223372036854771712\n")  # what cgroup v1 says when there is no limit
+    assert _capacity.cgroup_limit_bytes((v2, v1)) is None
+    assert _capacity.host_capacity_mb((v2, v1)) == physical_mb
+    v1.write_text(f"{2**30}\n")
+    assert _capacity.host_capacity_mb((v2, v1)) == 1024.0
+    v2.write_text(f"{2**29}\n")  # the first file that sets a limit wins
+    assert _capacity.host_capacity_mb((v2, v1)) == 512.0
+    assert _capacity.host_capacity_mb((tmp_path / "absent",)) == physical_mb
+    assert _capacity.device_capacity_mb(torch.device("cpu")) == _capacity.host_capacity_mb()

@@ -89,6 +89,10 @@ class Sender:
         if wake:
             self._wake.set()
 
+    def set_capacity_mb(self, capacity_mb: float | None) -> None:
+        """The rank's memory capacity (read once at attach), shipped as `mem.capacity_mb`; before start()."""
+        self._decoder.capacity_mb = capacity_mb
+
     def add_event(self, kind: str, data: dict[str, Any]) -> None:
         self._events.append({"step": self.live.last_step or 0, "ts": time.time(), "kind": kind, "data": data})
 

@@ -90,6 +90,7 @@ class Watch:
         self._collector: Collector | None = Collector(
             model, optimizer, config, self._guard, self._live, self._sender.submit
         )
+        self._sender.set_capacity_mb(self._collector.capacity_mb)
         self._sender.start()
         _LIVE.add(self)
         _register_process_hooks()
