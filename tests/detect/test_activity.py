@@ -85,3 +85,17 @@ def test_context_keeps_counters_at_the_last_step_and_follows_sessions() -> None:
     run.feed(0, [], [], {"ts": START_TS + 1.0, "phase": "data", "last_step": 8})
     run.ranks[0] = late
     assert ctx.session[0] == late.session and ctx.restart_ts == run.now
+
+
+def test_a_together_warning_resolves_once_the_stall_is_recognised_as_an_eval() -> None:
+    run = HandRun()
+    run.train(1, 100)
+    run.wait(40.0, activity=False)  # the heartbeats say nothing yet
+    (hang,) = run.hangs()
+    assert hang.evidence["mode"] == "together" and hang.status == "open"
+    run.wait(30.0, nograd_per_beat=10, stack=EVAL_STACK)
+    assert hang.status == "resolved", hang.summary
+    assert hang.evidence["resolution"] == "recognised as an unmarked eval (ranks 0, 1, 2, 3)"
+    run.wait(60.0, nograd_per_beat=10, stack=EVAL_STACK)
+    run.train(101, 8)
+    assert len(run.hangs()) == 1
