@@ -52,14 +52,17 @@ def test_stacks_a_save_anywhere_wins_over_a_collective_inside_it() -> None:
     assert activity.first_frame(BARRIER_STACK, COLLECTIVE) == BARRIER_STACK[0]
 
 
-def test_rank_activity_eval_needs_forwards_since_the_step_and_recently() -> None:
-    nograd = np.array([10, 10, 10, -1, 10])
-    at_step = np.array([0, 10, 0, -1, 0])
-    moved = np.array([95.0, 95.0, 70.0, np.nan, 95.0])
-    stacks = np.array([NONE, COLLECTIVE, NONE, CHECKPOINT, COLLECTIVE], dtype=np.int8)
-    got = activity.rank_activity(nograd, at_step, moved, stacks, event_now=100.0, recent_s=15.0)
-    # evaluating now / no forward since its step / evaluated, but 30 s ago / no counts / eval in an all-reduce
-    assert got.tolist() == [EVAL, COLLECTIVE, NONE, CHECKPOINT, EVAL]
+def test_rank_activity_is_what_the_heartbeats_said_recently() -> None:
+    nan = np.nan
+    nograd = np.array([10, 10, 10, -1, 10, 0, 0])
+    at_step = np.array([0, 10, 0, -1, 0, 0, 0])
+    moved = np.array([95.0, 95.0, 70.0, nan, 95.0, nan, nan])
+    saved = np.array([nan, nan, nan, 99.0, nan, 90.0, 70.0])
+    stacks = np.array([NONE, COLLECTIVE, NONE, CHECKPOINT, COLLECTIVE, COLLECTIVE, COLLECTIVE], dtype=np.int8)
+    got = activity.rank_activity(nograd, at_step, moved, saved, stacks, event_now=100.0, recent_s=15.0)
+    # evaluating now / no forward since its step / evaluated, 30 s ago / saving now / evaluating while in an
+    # all-reduce / saved 10 s ago, now in the barrier after it / saved 30 s ago, now in a collective
+    assert got.tolist() == [EVAL, COLLECTIVE, NONE, CHECKPOINT, EVAL, CHECKPOINT, COLLECTIVE]
 
 
 def test_context_keeps_counters_at_the_last_step_and_follows_sessions() -> None:
@@ -71,6 +74,8 @@ def test_context_keeps_counters_at_the_last_step_and_follows_sessions() -> None:
     assert ctx.nograd_forwards.tolist() == [10, 0] and ctx.nograd_at_step.tolist() == [0, 0]
     assert ctx.nograd_moved_ts[0] == run.now and np.isnan(ctx.nograd_moved_ts[1])
     assert ctx.stack[1] == BARRIER_STACK and ctx.stack_activity.tolist() == [NONE, COLLECTIVE]
+    run.wait(5.0, stack={0: SAVE_STACK, 1: BARRIER_STACK})
+    assert ctx.checkpoint_seen_ts[0] == run.now and np.isnan(ctx.checkpoint_seen_ts[1])
     assert np.isnan(ctx.restart_ts)
 
     old = run.ranks[0].session

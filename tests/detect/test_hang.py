@@ -114,7 +114,7 @@ def test_an_unmarked_eval_on_every_rank_is_not_a_hang() -> None:
 
 
 def test_an_eval_that_ended_and_then_hung_is_a_hang_again() -> None:
-    """No-grad forwards that stopped advancing (`eval_recent_s`) excuse nothing any more."""
+    """No-grad forwards that stopped advancing (`busy_recent_s`) excuse nothing any more."""
     run = HandRun()
     run.train(1, 100)
     run.wait(60.0, nograd_per_beat=10, stack=EVAL_STACK)
@@ -136,6 +136,17 @@ def test_an_unmarked_checkpoint_on_rank_0_while_the_others_wait_is_not_a_hang(ot
     else:  # they went on to the next step and wait in its gradient all-reduce (phase "backward")
         run.wait(120.0, phase=dict.fromkeys((1, 2, 3), "backward"), stack={0: SAVE_STACK})
     run.train(101, 20)
+    assert run.anomalies == [], _summaries(run)
+
+
+def test_the_seconds_between_a_checkpoint_and_the_next_steps_arriving_are_not_a_stop() -> None:
+    """The heartbeats show the save ended before the records of the next steps arrive (the agent sends
+    them at its flush cadence): a look at the stall in that gap still sees the checkpoint (`busy_recent_s`)."""
+    run = HandRun()
+    run.train(1, 100)
+    run.wait(55.0, stack={0: SAVE_STACK} | dict.fromkeys((1, 2, 3), BARRIER_STACK))  # looked at after 30 s
+    run.wait(4.0, phase="backward", every_s=1.0)  # training again; its first steps are on their way
+    run.train(101, 8)
     assert run.anomalies == [], _summaries(run)
 
 

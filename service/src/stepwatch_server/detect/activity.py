@@ -8,9 +8,12 @@ and how many of them with autograd off (`nograd_forwards`), and the training thr
 - `eval` when its no-grad forwards advanced since its last completed step and did so recently (within
   `recent_s` of event time; a rank that evaluated once after its last step and then stopped is not
   evaluating any more);
-- else `checkpoint` when a frame of its stack is a save call (`CHECKPOINT_FRAMES`);
-- else `collective` when a frame is a collective of torch.distributed (`COLLECTIVE_FRAMES`): the rank
-  waits for its peers there;
+- else `checkpoint` when a heartbeat within `recent_s` showed a save call on its stack
+  (`CHECKPOINT_FRAMES`). "Recently", not "now", for both: a pause's end is seen in the heartbeats a few
+  seconds before the steps that follow it arrive (the agent hands over the steps before the pause with
+  the next step's), and that gap must not read as a stop;
+- else `collective` when a frame of its stack is a collective of torch.distributed
+  (`COLLECTIVE_FRAMES`): the rank waits for its peers there;
 - else unknown (`NONE`): no heartbeat fields, or a stack that says none of these.
 
 Frame patterns are "module:function". The module part is a module name, "prefix.*" (the package and
@@ -115,12 +118,16 @@ def rank_activity(
     nograd: np.ndarray,
     nograd_at_step: np.ndarray,
     nograd_moved_ts: np.ndarray,
+    checkpoint_seen_ts: np.ndarray,
     stack_codes: np.ndarray,
     event_now: float,
     recent_s: float,
 ) -> np.ndarray:
-    """Per rank EVAL, CHECKPOINT, COLLECTIVE or NONE (int8), from the context's arrays (-1: not reported)."""
-    with np.errstate(invalid="ignore"):
-        recent = event_now - nograd_moved_ts <= recent_s  # NaN (never moved): False
-    evaluating = (nograd_at_step >= 0) & (nograd > nograd_at_step) & recent
-    return np.where(evaluating, EVAL, stack_codes).astype(np.int8)
+    """Per rank EVAL, CHECKPOINT, COLLECTIVE or NONE (int8), from the context's arrays (-1 / NaN: not
+    reported)."""
+    with np.errstate(invalid="ignore"):  # NaN (never): False
+        evaluated = event_now - nograd_moved_ts <= recent_s
+        saving = event_now - checkpoint_seen_ts <= recent_s
+    evaluating = (nograd_at_step >= 0) & (nograd > nograd_at_step) & evaluated
+    codes = np.where(saving, CHECKPOINT, np.where(stack_codes == CHECKPOINT, NONE, stack_codes))
+    return np.where(evaluating, EVAL, codes).astype(np.int8)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from stepwatch_server.detect.activity import stack_activity
+from stepwatch_server.detect.activity import CHECKPOINT, stack_activity
 from stepwatch_server.detect.anomalies import AnomalyBook
 from stepwatch_server.ingest.schema import Batch, Heartbeat
 
@@ -37,12 +37,14 @@ class RunContext:
         self.restart_ts = np.nan  # event time of the latest restarted session's first message (any rank)
         # What the training thread does (heartbeat fields, -1 / () when not reported), for detect/activity.py:
         # the latest heartbeat's counters, the counters at the rank's last completed step (the first
-        # heartbeat that reported that step), when the no-grad count last advanced, and the stack.
+        # heartbeat that reported that step), when the no-grad count last advanced, the stack, and when
+        # it last showed a save call.
         self.forwards = np.full(world_size, -1, dtype=np.int64)
         self.nograd_forwards = np.full(world_size, -1, dtype=np.int64)
         self.forwards_at_step = np.full(world_size, -1, dtype=np.int64)
         self.nograd_at_step = np.full(world_size, -1, dtype=np.int64)
         self.nograd_moved_ts = np.full(world_size, np.nan)  # event time of a heartbeat whose count rose
+        self.checkpoint_seen_ts = np.full(world_size, np.nan)  # ... of the latest with a save on its stack
         self._counted_step = np.full(world_size, -2, dtype=np.int64)  # the step the *_at_step belong to
         self.stack: list[tuple[str, ...]] = [()] * world_size
         self.stack_activity = np.zeros(world_size, dtype=np.int8)  # activity.stack_activity(stack)
@@ -104,7 +106,7 @@ class RunContext:
         self._sessions[r] = (*recent[-(RECENT_SESSIONS - 1) :], batch.session)
         for counter in (self.forwards, self.nograd_forwards, self.forwards_at_step, self.nograd_at_step):
             counter[r] = -1  # the agent's counters start again with each session
-        self.nograd_moved_ts[r] = np.nan
+        self.nograd_moved_ts[r] = self.checkpoint_seen_ts[r] = np.nan
         self._counted_step[r] = -2
         self.stack[r], self.stack_activity[r] = (), 0
         return True
@@ -120,6 +122,8 @@ class RunContext:
                 self.forwards_at_step[r], self.nograd_at_step[r] = hb.forwards, hb.nograd_forwards
         if hb.stack != self.stack[r]:
             self.stack[r], self.stack_activity[r] = hb.stack, stack_activity(hb.stack)
+        if self.stack_activity[r] == CHECKPOINT:
+            self.checkpoint_seen_ts[r] = hb.ts
 
     def finished(self) -> bool:
         """Every rank that reported anything has closed its session: the run ended on purpose."""

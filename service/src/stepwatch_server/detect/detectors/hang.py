@@ -26,7 +26,8 @@ Judging a stall, in this order:
 2. A dead culprit (its last contact lags the others' by more than `dead_after_s`) is a hang.
 3. A recognised unmarked pause is not a hang: the culprits, or when there are none every alive rank
    that is not waiting in a collective (and no rank is dead), are all busy in `eval` (no-grad forwards
-   advancing) or `checkpoint` (a save call on the stack), and their heartbeats arrive. Like a marked
+   advancing) or `checkpoint` (a save call on the stack), within `busy_recent_s`, and their heartbeats
+   arrive. Like a marked
    pause, the stall clock restarts from the moment it was recognised, for up to `max_pause_s` since the
    stall began; beyond that it is a hang again (evidence `unmarked_pause_s`). Rank 0 saving a
    checkpoint while the others wait for it in `barrier` (or in the next step's all-reduce) is such a
@@ -53,8 +54,9 @@ below that deadline: `floor_s` 25 s and `step_factor` 4 leave 5 s (or one step t
 to arrive. 4x is still above the benign slow steps of a healthy run (GC and storage blips of 1.5-4
 step times; larger one-off slow iterations, such as the 8x ones in the Megatron DeepSeek-V3 log,
 open a `together` warning that resolves on the next completed step). `dead_after_s` 15 s is three
-heartbeat intervals; `eval_recent_s` too: no-grad forwards that last advanced longer ago than that are
-an evaluation that ended.
+heartbeat intervals; `busy_recent_s` too: no-grad forwards that last advanced, or a save call last seen,
+longer ago than that are a pause that ended (and a few seconds after its end, before the next steps'
+records arrive, still excuse the stall).
 
 "Nothing has arrived at all" (no batch from any rank for `silent_after_s` of wall-clock time) is the
 one wall-clock condition: event time cannot move when nobody sends. It is a run-level warning naming
@@ -91,7 +93,7 @@ class HangSettings(DetectorSettings):
     max_pause_s: float = 3600.0  # a marked or recognised pause longer than this no longer excuses a stall
     critical_factor: float = 3.0  # stall >= this x threshold: critical (never for mode "together")
     max_culprit_fraction: float = 0.5  # more culprits than this share: blame nobody
-    eval_recent_s: float = 15.0  # no-grad forwards advanced this recently: the rank is evaluating now
+    busy_recent_s: float = 15.0  # no-grad forwards advanced, or a save call seen, this recently: busy
     silent_after_s: float = 300.0  # wall-clock seconds with no batch at all: the run went silent
 
 
@@ -152,7 +154,7 @@ class HangDetector(Detector):
                 self._pause_seen_ts = event_now
         else:
             self._pause_since_ts = float("nan")
-        stalled_s = event_now - float(np.fmax(self._stall_start(), self._busy_seen_ts))
+        stalled_s = event_now - _later(self._stall_start(), self._busy_seen_ts)
         if stalled_s <= self.s.floor_s:  # the common case: no need for the typical step time
             return
         threshold_s = self.threshold_s()
@@ -161,7 +163,7 @@ class HangDetector(Detector):
 
     def _stall_start(self) -> float:
         """The latest of the progress, a restart and a marked pause seen (NaN-safe)."""
-        return float(np.fmax(np.fmax(self._progress_ts, self.ctx.restart_ts), self._pause_seen_ts))
+        return _later(_later(self._progress_ts, self.ctx.restart_ts), self._pause_seen_ts)
 
     def threshold_s(self) -> float:
         typical_ms = self.ctx.typical_step_ms()
@@ -213,9 +215,10 @@ class HangDetector(Detector):
             ctx.nograd_forwards,
             ctx.nograd_at_step,
             ctx.nograd_moved_ts,
+            ctx.checkpoint_seen_ts,
             ctx.stack_activity,
             event_now,
-            s.eval_recent_s,
+            s.busy_recent_s,
         )
         waiting = alive & (doing == activity.COLLECTIVE)
         outside = alive & ~waiting if waiting.any() else np.zeros_like(alive)
@@ -374,6 +377,11 @@ class HangDetector(Detector):
                 )
         elif book.is_open(KIND, SILENT_KEY):
             book.resolve(KIND, SILENT_KEY, step=step, ts=ctx.event_now(), note="data arrives again")
+
+
+def _later(a: float, b: float) -> float:
+    """max(a, b) where NaN means "none" (plain floats: this runs on every tick)."""
+    return b if b > a or a != a else a
 
 
 def _num(x: float) -> float | None:
