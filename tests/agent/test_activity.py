@@ -221,3 +221,21 @@ def test_host_capacity_takes_a_cgroup_limit_when_one_is_set(tmp_path: Path) -> N
     assert _capacity.host_capacity_mb((v2, v1)) == 512.0
     assert _capacity.host_capacity_mb((tmp_path / "absent",)) == physical_mb
     assert _capacity.device_capacity_mb(torch.device("cpu")) == _capacity.host_capacity_mb()
+
+
+def test_on_cuda_the_capacity_is_the_devices_and_goes_with_every_steps_allocator_values(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No GPU needed: the device's properties are stubbed, and the decoder gets CUDA-like records."""
+    from stepwatch._batch import Decoder
+    from stepwatch._records import Chunk, StepRecord
+
+    props = types.SimpleNamespace(total_memory=80 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    assert _capacity.device_capacity_mb(torch.device("cuda", 0)) == 80 * 1024.0
+    records = [StepRecord(step, 1.0 + step, {"mem.allocated_mb": 100.0 + step}) for step in (1, 2, 3)]
+    rows, _ = Decoder(capacity_mb=81_920.0).decode(Chunk(records))
+    assert [r.metrics["mem.capacity_mb"] for r in rows] == [81_920.0] * 3
+    assert [r.metrics.get("mem.rss_mb") is not None for r in rows] == [False, False, True]
+    rows, _ = Decoder().decode(Chunk([StepRecord(4, 5.0, {"mem.allocated_mb": 1.0})]))
+    assert "mem.capacity_mb" not in rows[0].metrics  # unknown capacity: not sent
