@@ -46,6 +46,8 @@ def validate(batch: dict[str, Any]) -> None:
         assert NAME.fullmatch(name), f"metrics name {name}"
         assert len(values) == len(steps), f"metrics.{name} length"
         assert all(_value(v) for v in values), f"metrics.{name} values"
+        if name == "mem.capacity_mb":
+            assert all(v is None or (isinstance(v, float) and v > 0) for v in values), "mem.capacity_mb"
     n_values = len(steps) * len(batch.get("metrics", {}))
     if "tensors" in batch:
         t_steps = batch["tensors"]["steps"]
@@ -69,4 +71,11 @@ def validate(batch: dict[str, Any]) -> None:
         hb = batch["heartbeat"]
         assert isinstance(hb["ts"], int | float) and isinstance(hb["phase"], str), "heartbeat"
         assert hb["last_step"] is None or _int(hb["last_step"], 0), "heartbeat.last_step"
+        for name in ("forwards", "nograd_forwards"):
+            assert name not in hb or _int(hb[name], 0), f"heartbeat.{name}"
+        assert hb.get("nograd_forwards", 0) <= hb.get("forwards", 0), "heartbeat.nograd_forwards <= forwards"
+        stack = hb.get("stack", [])
+        assert isinstance(stack, list) and len(stack) <= 16, "heartbeat.stack: at most 16 frames"
+        assert all(isinstance(f, str) and 1 <= len(f) <= 200 for f in stack), "heartbeat.stack frames"
+        assert not any(f.split(":")[0].split(".")[0] == "stepwatch" for f in stack), "heartbeat.stack: own"
     assert n_values <= 1_000_000, "at most 1,000,000 values"

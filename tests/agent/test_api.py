@@ -80,6 +80,7 @@ def test_all_is_honest() -> None:
         ({"node": ""}, "node"),
         ({"token": ""}, "token"),
         ({"enabled": "yes"}, "enabled"),
+        ({"report_stack": 1}, "report_stack"),
         ({"colour": "red"}, "colour"),
     ],
 )

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from stepwatch_server.detect import Anomaly, DetectionEngine, EngineSettings
 from stepwatch_server.ingest.validate import parse_batch
 from stepwatch_server.simulate import Hang, Simulation
+from tests.detect.hand_batches import BARRIER_STACK, EVAL_STACK, SAVE_STACK, START_TS, HandRun
 from tests.detect.helpers import run_scenario, scenario
 
 KINDS = ("hang",)
@@ -96,3 +98,127 @@ def test_a_run_whose_ranks_all_closed_is_finished_not_silent() -> None:
             assert engine.runs[docs[0]["run"]].ctx.finished() is False
     assert engine.runs[docs[0]["run"]].ctx.finished() is True
     assert engine.tick(wall_now=wall + 10_000.0) == []
+
+
+# -- unmarked pauses, stalls of every rank together, restarts (hand-built batches) --------------------
+def _summaries(run: HandRun) -> list[str]:
+    return [f"{a.kind}/{a.key} {a.severity} {a.status}: {a.summary}" for a in run.anomalies]
+
+
+def test_an_unmarked_eval_on_every_rank_is_not_a_hang() -> None:
+    run = HandRun()
+    run.train(1, 100)
+    run.wait(120.0, nograd_per_beat=10, stack=EVAL_STACK)  # no_grad forwards of the watched model
+    run.train(101, 20)
+    assert run.anomalies == [], _summaries(run)
+
+
+def test_an_eval_that_ended_and_then_hung_is_a_hang_again() -> None:
+    """No-grad forwards that stopped advancing (`busy_recent_s`) excuse nothing any more."""
+    run = HandRun()
+    run.train(1, 100)
+    run.wait(60.0, nograd_per_beat=10, stack=EVAL_STACK)
+    eval_end = run.now
+    run.wait(60.0, phase={2: "data"} | dict.fromkeys((0, 1, 3), "backward"))
+    (hang,) = run.hangs()
+    assert hang.rank == 2 and hang.evidence["mode"] == "stuck", hang.summary
+    assert hang.evidence["culprit_activity"] is None
+    assert 25.0 < hang.detected_ts - eval_end <= 25.0 + 15.0 + 10.0, hang.detected_ts - eval_end
+
+
+@pytest.mark.parametrize("others", ["barrier", "next all-reduce"])
+def test_an_unmarked_checkpoint_on_rank_0_while_the_others_wait_is_not_a_hang(others: str) -> None:
+    run = HandRun()
+    run.train(1, 100)
+    if others == "barrier":  # the others wait for rank 0 in dist.barrier(), all in phase "data"
+        stacks = {0: SAVE_STACK} | dict.fromkeys((1, 2, 3), BARRIER_STACK)
+        run.wait(120.0, stack=stacks)
+    else:  # they went on to the next step and wait in its gradient all-reduce (phase "backward")
+        run.wait(120.0, phase=dict.fromkeys((1, 2, 3), "backward"), stack={0: SAVE_STACK})
+    run.train(101, 20)
+    assert run.anomalies == [], _summaries(run)
+
+
+def test_the_seconds_between_a_checkpoint_and_the_next_steps_arriving_are_not_a_stop() -> None:
+    """The heartbeats show the save ended before the records of the next steps arrive (the agent sends
+    them at its flush cadence): a look at the stall in that gap still sees the checkpoint (`busy_recent_s`)."""
+    run = HandRun()
+    run.train(1, 100)
+    run.wait(55.0, stack={0: SAVE_STACK} | dict.fromkeys((1, 2, 3), BARRIER_STACK))  # looked at after 30 s
+    run.wait(4.0, phase="backward", every_s=1.0)  # training again; its first steps are on their way
+    run.train(101, 8)
+    assert run.anomalies == [], _summaries(run)
+
+
+def test_an_unmarked_checkpoint_longer_than_max_pause_s_is_a_hang_blaming_the_saver() -> None:
+    run = HandRun(max_pause_s=100.0)
+    run.train(1, 100)
+    stalled_from = run.now
+    run.wait(300.0, stack={0: SAVE_STACK} | dict.fromkeys((1, 2, 3), BARRIER_STACK))
+    (hang,) = run.hangs()
+    assert hang.rank == 0 and hang.status == "open", _summaries(run)
+    assert hang.evidence["blamed_by"] == "collective" and hang.evidence["mode"] == "stuck"
+    assert hang.evidence["culprit_activity"] == "checkpoint"
+    assert hang.evidence["culprit_stack"][:2] == list(SAVE_STACK[:2])
+    assert hang.evidence["unmarked_pause_s"] > 100.0
+    assert 100.0 < hang.detected_ts - stalled_from <= 100.0 + 25.0 + 10.0
+    assert "checkpoint" in hang.summary and "max_pause_s" in hang.summary
+    assert "torch.distributed.distributed_c10d:barrier" in hang.summary
+    run.train(101, 4)
+    assert run.hangs()[0].status == "resolved"
+
+
+def test_every_rank_stalled_together_is_one_warning_never_critical_resolved_by_the_next_step() -> None:
+    run = HandRun()
+    run.train(1, 100)
+    run.wait(200.0, activity=False)  # an agent that says nothing about what the thread does
+    (hang,) = run.hangs()
+    assert len(run.anomalies) == 1, _summaries(run)
+    assert hang.severity == "warning" and hang.rank is None, hang.summary  # 200 s > 3 x the 25 s threshold
+    assert hang.evidence["mode"] == "together" and hang.evidence["blamed_by"] == "none"
+    assert hang.summary.startswith("every rank (4) stalled together after step 100 for ")
+    assert "none is behind or dead, heartbeats arrive (an unmarked pause?)" in hang.summary
+    assert hang.status == "open"
+    run.train(101, 4)
+    assert hang.status == "resolved" and hang.evidence["resolution"] == "steps advance again"
+
+
+def test_a_stuck_culprit_is_still_blamed_and_a_dead_one_even_while_others_evaluate() -> None:
+    run = HandRun()
+    run.train(1, 100)
+    waiters = dict.fromkeys((0, 1, 3), "backward")
+    run.wait(60.0, phase={2: "data"} | waiters, stack={2: ("train:slow_fetch", "train:main")})
+    (hang,) = run.hangs()
+    assert hang.rank == 2 and hang.evidence["mode"] == "stuck" and hang.evidence["blamed_by"] == "phase"
+    assert hang.evidence["culprit_stack"] == ["train:slow_fetch", "train:main"]
+    assert "at train:slow_fetch" in hang.summary
+
+    run = HandRun()
+    run.train(1, 100)
+    run.wait(60.0, nograd_per_beat=10, stack=EVAL_STACK, silent=(3,))  # rank 3 died: its heartbeats stop
+    (hang,) = run.hangs()
+    assert hang.rank == 3 and hang.evidence["mode"] == "dead" and hang.severity == "critical"
+
+
+def test_a_restart_gap_is_not_a_hang() -> None:
+    """A resumed run: every rank silent for 90 s, then new agent sessions that load the checkpoint for
+    40 s (heartbeats only) and repeat steps 81-100 before going on."""
+    run = HandRun()
+    run.train(1, 100)
+    run.now += 90.0
+    run.restart()
+    run.wait(40.0)
+    run.train(81, 60)
+    assert run.anomalies == [], _summaries(run)
+    ctx = run.engine.runs[run.run].ctx
+    assert ctx.restart_ts == pytest.approx(START_TS + 100.0 + 90.0 + 5.0)
+
+
+def test_a_rank_that_does_not_come_back_after_a_restart_is_dead() -> None:
+    run = HandRun()
+    run.train(1, 100)
+    run.now += 90.0
+    run.restart()
+    run.wait(400.0, silent=(1,))  # rank 1's new session never starts (startup_s: 300 s after a restart)
+    (hang,) = run.hangs()
+    assert hang.rank == 1 and hang.evidence["mode"] == "dead", hang.summary

@@ -13,7 +13,11 @@
   when the all-reduced gradients are non-finite;
 - `leak`: the loop keeps a list of the tensors it makes each step (1 MB a step), so the rank's memory grows;
 - `slow_data`: the rank's data loader takes `--fault-data-ms` per step instead of `--data-ms` (a starved
-  loader); the others wait for it in the gradient all-reduce.
+  loader); the others wait for it in the gradient all-reduce;
+- `eval`: an evaluation nobody marked with `watch.phase`: at step S every rank (whatever F) runs forwards of
+  the DDP model under `torch.no_grad()` for `--pause-s` seconds, all-reduces its eval loss, and trains on;
+- `checkpoint`: a checkpoint nobody marked: at step S rank F spends `--pause-s` seconds inside `torch.save`
+  (to a file object whose first `write` waits that long), while the others wait for it in `dist.barrier()`.
 
 Every process is bounded: it exits by itself at `--deadline-s` seconds after start (the collective timeout
 is shorter than that), and the test kills what is left.
@@ -23,9 +27,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import io
 import os
 import time
 from collections import OrderedDict
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +49,8 @@ SLOW_FORWARD_S = 0.02
 # 3 beside a CPU-burning process). Real forwards take milliseconds or more.
 DEVICE_FORWARD_S = 0.008
 DATA_MS = 5.0  # a data loader's pace: also keeps 4 processes from saturating a 2-core machine
+EVAL_BATCH_PAUSE_S = 0.02  # between eval batches (a loader's pace; also spares a 2-core machine's CPUs)
+SLEEP_SLICE_S = 0.2  # a long wait sleeps in slices, each checking the process deadline
 
 
 class Fault(torch.nn.Module):
@@ -60,6 +68,32 @@ class Fault(torch.nn.Module):
         if not self.active:
             return x
         return x * float("nan")
+
+
+class SlowFile(io.BytesIO):
+    """A file object on slow storage: its first write takes `wait_s` (bounded by `deadline`)."""
+
+    def __init__(self, wait_s: float, deadline: float) -> None:
+        super().__init__()
+        self.wait_until = min(time.monotonic() + wait_s, deadline)
+
+    def write(self, data: Any) -> int:
+        while time.monotonic() < self.wait_until:
+            time.sleep(SLEEP_SLICE_S)
+        return super().write(data)
+
+
+def unmarked_eval(ddp: torch.nn.Module, pause_s: float, deadline: float, gen: torch.Generator) -> None:
+    """Forwards under no_grad for `pause_s` (no watch.phase), then the eval loss all-reduced."""
+    until = min(time.monotonic() + pause_s, deadline)
+    total, n = torch.zeros(()), 0
+    with torch.no_grad():
+        while time.monotonic() < until:
+            x = torch.randn(BATCH, 16, generator=gen)
+            total += torch.nn.functional.mse_loss(ddp(x), x[:, :1])
+            n += 1
+            time.sleep(EVAL_BATCH_PAUSE_S)
+    dist.all_reduce(total)
 
 
 def build_model() -> torch.nn.Sequential:
@@ -85,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data-ms", type=float, default=DATA_MS, help="every rank's data loader time per step")
     p.add_argument("--fault-data-ms", type=float, default=DATA_MS, help="slow_data: the faulty rank's")
     p.add_argument("--spool-dir", required=True)
+    p.add_argument("--pause-s", type=float, default=0.0, help="length of an unmarked eval or checkpoint")
     a = p.parse_args(argv)
     deadline = time.monotonic() + a.deadline_s
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.master_port), LOCAL_RANK=str(a.rank))
@@ -110,6 +145,12 @@ def main(argv: list[str] | None = None) -> None:
     for step in range(1, a.steps + 1):
         if time.monotonic() > deadline:
             break
+        if step == a.fault_step and a.fault == "eval":
+            unmarked_eval(ddp, a.pause_s, deadline, gen)
+        if step == a.fault_step and a.fault == "checkpoint":
+            if faulty:
+                torch.save(model.state_dict(), SlowFile(a.pause_s, deadline))
+            dist.barrier()
         if faulty and step >= a.fault_step:
             if a.fault == "stop":
                 while time.monotonic() < deadline:  # stuck before its forward: never steps again

@@ -55,6 +55,8 @@ def ranks(
     data_ms: float = 5.0,
     world_size: int = WORLD_SIZE,
     fault_data_ms: float = 5.0,
+    deadline_s: float = RANK_DEADLINE_S,
+    pause_s: float = 0.0,
 ) -> Iterator[list[subprocess.Popen[bytes]]]:
     """Start the rank processes; at exit kill those still running (by their own pids)."""
     port = free_port()
@@ -66,7 +68,8 @@ def ranks(
             cmd += ["--run", run, "--fault", fault, "--fault-rank", str(fault_rank)]
             cmd += ["--fault-step", str(fault_step), "--steps", str(steps), "--data-ms", str(data_ms)]
             cmd += ["--fault-data-ms", str(fault_data_ms)]
-            cmd += ["--deadline-s", str(RANK_DEADLINE_S), "--spool-dir", str(tmp_path / "spool")]
+            cmd += ["--deadline-s", str(deadline_s), "--spool-dir", str(tmp_path / "spool")]
+            cmd += ["--pause-s", str(pause_s)]
             with (tmp_path / f"rank-{rank}.log").open("ab") as log:
                 procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
         yield procs
@@ -84,8 +87,8 @@ def logs(tmp_path: Path) -> str:
     )
 
 
-def wait_finished(procs: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
-    deadline = time.monotonic() + WAIT_S
+def wait_finished(procs: list[subprocess.Popen[bytes]], tmp_path: Path, wait_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + wait_s
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         time.sleep(0.2)
     codes = [p.poll() for p in procs]

@@ -75,17 +75,26 @@ def _amax(low: float, high: float) -> float | None:
 
 class Decoder:
     """Chunks -> rows. Derives the non-finite flags from the device-side reductions and emits a
-    `nonfinite` event on the first non-finite step (again after the values were finite once more)."""
+    `nonfinite` event on the first non-finite step (again after the values were finite once more).
 
-    def __init__(self) -> None:
+    `capacity_mb` (read once at attach, `_capacity.py`) goes out as `mem.capacity_mb` beside the memory
+    values it bounds, at their cadence: every step with the CUDA allocator's values, else with the host
+    RSS on the last step of each chunk.
+    """
+
+    def __init__(self, capacity_mb: float | None = None) -> None:
         self._in_nonfinite = False
+        self.capacity_mb = capacity_mb
 
     def decode(self, chunk: Chunk) -> tuple[list[Row], list[dict[str, Any]]]:
         # One host read per chunk; each step below takes slices of the Python list.
         values: list[float] = chunk.values.tolist() if chunk.values is not None else []
         rows, events = [], []
+        capacity = self.capacity_mb
         for rec in chunk.records:
             m = rec.host  # the record's own dict: no copy
+            if capacity is not None and "mem.allocated_mb" in m:
+                m["mem.capacity_mb"] = capacity
             if rec.marks is not None:
                 _cuda_times(rec, m)
             k = rec.offset
@@ -141,7 +150,10 @@ class Decoder:
             self._in_nonfinite = bool(where_bad)
             rows.append(row)
         if rows:
-            rows[-1].metrics["mem.rss_mb"] = rss_mb()
+            last = rows[-1].metrics
+            last["mem.rss_mb"] = rss_mb()
+            if capacity is not None:
+                last.setdefault("mem.capacity_mb", capacity)
         return rows, events
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._capacity import device_capacity_mb
 from ._config import Config
 from ._device import Fingerprinter, local, transfer
 from ._guard import Guard
@@ -82,6 +83,7 @@ class Collector:
         param = next(iter(model.parameters()), None)
         self.device = param.device if param is not None else torch.device("cpu")
         self.cuda = self.device.type == "cuda"
+        self.capacity_mb = self._capacity_mb()  # read once: the sender adds it to the memory values
         self._pnames = {id(p): n for n, p in model.named_parameters()}
         self._fingerprint = Fingerprinter(model)
         self._slots: dict[str, int] = {}  # tracked module -> index in first-seen forward order
@@ -118,6 +120,13 @@ class Collector:
             optimizer.register_step_pre_hook(self._on_step_pre),
             optimizer.register_step_post_hook(self._on_step_post),
         ]
+
+    def _capacity_mb(self) -> float | None:
+        try:
+            return device_capacity_mb(self.device)
+        except Exception as exc:
+            self.guard.fail("memory", exc)
+            return None
 
     def _new_step(self) -> Step:
         n = len(self._order)
@@ -175,7 +184,14 @@ class Collector:
         return hook
 
     def _on_forward_pre(self, module: nn.Module, args: Any) -> None:
-        if self._paused or "steps" in self._off or not _grad_enabled():
+        # Counted first, paused or not: two int increments, the only work a no-grad forward costs. The
+        # sender ships the counts in each heartbeat (no-grad forwards advancing without a step: an eval).
+        live = self.live
+        live.forwards += 1
+        if not _grad_enabled():
+            live.nograd_forwards += 1
+            return
+        if self._paused or "steps" in self._off:
             return
         try:
             cur = self._cur

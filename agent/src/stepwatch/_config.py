@@ -44,6 +44,7 @@ OPTION_NAMES = (
     "timeout_s",
     "enabled",
     "start_step",
+    "report_stack",
 )
 
 
@@ -67,6 +68,7 @@ class Config:
     num_shards: int = 1
     timeout_s: float = REQUEST_TIMEOUT_S
     start_step: int | None = None  # None: from the optimizer's own state (a resumed run), else 0
+    report_stack: bool = True  # heartbeats carry the training thread's function names (module:function)
 
     @property
     def ingest_url(self) -> str:
@@ -170,6 +172,9 @@ def build_config(
         )
     if options.get("start_step") is not None:
         kw["start_step"] = _int("start_step", options["start_step"], 0)
-    if "enabled" in options and not isinstance(options["enabled"], bool):
-        raise ValueError(f"stepwatch: option enabled={options['enabled']!r} must be True or False")
+    for name in ("enabled", "report_stack"):
+        if name in options and not isinstance(options[name], bool):
+            raise ValueError(f"stepwatch: option {name}={options[name]!r} must be True or False")
+    if "report_stack" in options:
+        kw["report_stack"] = options["report_stack"]
     return Config(run=run, url=url, token=token, **kw)

@@ -47,7 +47,7 @@ class Guard:
     Hooks test `feature in guard.off` (a set that stays empty while all is well, so that the hot path
     reads it without a call; `guard.on(feature)` elsewhere) and wrap their body in try/except calling
     `guard.fail(feature, exc)`. Features: "steps" (everything per step), "loss", "grads", "amax",
-    "timing", "fingerprint", "log", "memory", "sender", "spool".
+    "timing", "fingerprint", "log", "memory", "sender", "spool", "stack" (the heartbeat's stack).
     """
 
     def __init__(self, counters: Counters) -> None:

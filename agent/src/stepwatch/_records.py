@@ -8,11 +8,18 @@ from typing import Any
 
 @dataclass(slots=True)
 class Live:
-    """State the sender reads for heartbeats and the training thread writes (plain attribute stores)."""
+    """State the sender reads for heartbeats and the training thread writes (plain attribute stores).
+
+    `forwards` / `nograd_forwards` count the root model's forward calls in this session (all, and those
+    with autograd off: `torch.no_grad()`, `inference_mode`), also inside a marked pause: forwards that
+    advance while no step completes are an evaluation, not a hang (docs/ingest.md, `heartbeat`).
+    """
 
     phase: str = "data"
     last_step: int | None = None
     transfer_requested: bool = False
+    forwards: int = 0
+    nograd_forwards: int = 0
 
 
 @dataclass(slots=True)

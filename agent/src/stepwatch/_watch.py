@@ -75,12 +75,22 @@ class Watch:
         self._spool = Spool(
             spool_path(config.spool_dir, config.run, identity.rank), max_bytes, self._counters, self._guard
         )
+        # attach() runs in the training loop's thread: its stack is what heartbeats report.
+        training_thread = threading.get_ident()
         self._sender = Sender(
-            config, identity, self._counters, self._guard, self._live, self._spool, __version__
+            config,
+            identity,
+            self._counters,
+            self._guard,
+            self._live,
+            self._spool,
+            __version__,
+            training_thread,
         )
         self._collector: Collector | None = Collector(
             model, optimizer, config, self._guard, self._live, self._sender.submit
         )
+        self._sender.set_capacity_mb(self._collector.capacity_mb)
         self._sender.start()
         _LIVE.add(self)
         _register_process_hooks()

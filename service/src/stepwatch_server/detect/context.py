@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from stepwatch_server.detect.activity import CHECKPOINT, stack_activity
 from stepwatch_server.detect.anomalies import AnomalyBook
-from stepwatch_server.ingest.schema import Batch
+from stepwatch_server.ingest.schema import Batch, Heartbeat
 
 STEP_TIME_WINDOW = 256  # recent steps whose median step time is "the run's typical step time"
+RECENT_SESSIONS = 4  # per rank: a late batch of one of these (a replayed spool) is not a restart
 
 
 class RunContext:
@@ -29,6 +31,23 @@ class RunContext:
         self.paused: list[str | None] = [None] * world_size  # inside watch.phase(...) since phase_start
         self.n_paused = 0  # ranks with a phase in `paused` (checked per batch: no scan of the list)
         self.ended = np.zeros(world_size, dtype=bool)  # the rank's agent closed its session (session_end)
+        # Agent sessions: a rank whose session changes to one not seen before restarted (a resumed run).
+        self.session: list[str | None] = [None] * world_size  # the rank's current session
+        self._sessions: list[tuple[str, ...]] = [()] * world_size  # its recent ones, newest last
+        self.restart_ts = np.nan  # event time of the latest restarted session's first message (any rank)
+        # What the training thread does (heartbeat fields, -1 / () when not reported), for detect/activity.py:
+        # the latest heartbeat's counters, the counters at the rank's last completed step (the first
+        # heartbeat that reported that step), when the no-grad count last advanced, the stack, and when
+        # it last showed a save call.
+        self.forwards = np.full(world_size, -1, dtype=np.int64)
+        self.nograd_forwards = np.full(world_size, -1, dtype=np.int64)
+        self.forwards_at_step = np.full(world_size, -1, dtype=np.int64)
+        self.nograd_at_step = np.full(world_size, -1, dtype=np.int64)
+        self.nograd_moved_ts = np.full(world_size, np.nan)  # event time of a heartbeat whose count rose
+        self.checkpoint_seen_ts = np.full(world_size, np.nan)  # ... of the latest with a save on its stack
+        self._counted_step = np.full(world_size, -2, dtype=np.int64)  # the step the *_at_step belong to
+        self.stack: list[tuple[str, ...]] = [()] * world_size
+        self.stack_activity = np.zeros(world_size, dtype=np.int8)  # activity.stack_activity(stack)
         self.last_arrival_wall = np.nan  # wall-clock time the run last sent anything
         self._event_now = -np.inf  # the newest step end or heartbeat seen from any rank
         self._step_ms = np.full(STEP_TIME_WINDOW, np.nan)
@@ -37,6 +56,7 @@ class RunContext:
     # -- updates ---------------------------------------------------------------------------------
     def update(self, batch: Batch, wall_now: float) -> None:
         r = batch.rank
+        current = self._session(r, batch)
         self.seen[r] = True
         self.last_arrival_wall = wall_now
         self.node[r] = batch.node
@@ -55,6 +75,8 @@ class RunContext:
             self.heartbeat_phase[r] = hb.phase
             if hb.last_step is not None:
                 self.heartbeat_step[r] = hb.last_step
+            if current:
+                self._activity(r, hb)
         for event in batch.events:
             phase = event.data.get("phase") if isinstance(event.data, dict) else None
             if event.kind == "phase_start":
@@ -65,6 +87,43 @@ class RunContext:
                 self.paused[r] = None
             elif event.kind == "session_end":
                 self.ended[r] = True
+
+    def _session(self, r: int, batch: Batch) -> bool:
+        """Follow the rank's agent session; False for a late batch of one of its earlier sessions."""
+        current = self.session[r]
+        if batch.session == current:
+            return True
+        recent = self._sessions[r]
+        if batch.session in recent:  # an earlier session's spooled batch, replayed by the new one
+            return False
+        if current is not None:  # a new session of a rank that had one: the rank restarted
+            starts = [float(batch.timestamps[0])] if batch.steps.size else []
+            starts += [batch.heartbeat.ts] if batch.heartbeat is not None else []
+            starts += [e.ts for e in batch.events]
+            if starts:
+                self.restart_ts = float(np.fmax(self.restart_ts, min(starts)))
+        self.session[r] = batch.session
+        self._sessions[r] = (*recent[-(RECENT_SESSIONS - 1) :], batch.session)
+        for counter in (self.forwards, self.nograd_forwards, self.forwards_at_step, self.nograd_at_step):
+            counter[r] = -1  # the agent's counters start again with each session
+        self.nograd_moved_ts[r] = self.checkpoint_seen_ts[r] = np.nan
+        self._counted_step[r] = -2
+        self.stack[r], self.stack_activity[r] = (), 0
+        return True
+
+    def _activity(self, r: int, hb: Heartbeat) -> None:
+        if hb.forwards is not None and hb.nograd_forwards is not None:
+            if 0 <= self.nograd_forwards[r] < hb.nograd_forwards:
+                self.nograd_moved_ts[r] = hb.ts
+            self.forwards[r], self.nograd_forwards[r] = hb.forwards, hb.nograd_forwards
+            step = -1 if hb.last_step is None else hb.last_step
+            if step != self._counted_step[r]:
+                self._counted_step[r] = step
+                self.forwards_at_step[r], self.nograd_at_step[r] = hb.forwards, hb.nograd_forwards
+        if hb.stack != self.stack[r]:
+            self.stack[r], self.stack_activity[r] = hb.stack, stack_activity(hb.stack)
+        if self.stack_activity[r] == CHECKPOINT:
+            self.checkpoint_seen_ts[r] = hb.ts
 
     def finished(self) -> bool:
         """Every rank that reported anything has closed its session: the run ended on purpose."""
