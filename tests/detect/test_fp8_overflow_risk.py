@@ -73,3 +73,30 @@ def test_early_training_scale_changes_are_not_a_risk() -> None:
         detector.on_frame(frame)
     (anomaly,) = ctx.book.drain_changes()
     assert anomaly.kind == "fp8_overflow_risk" and anomaly.evidence["jump"] is True
+
+
+def test_amax_sampled_every_step_is_judged_over_the_same_steps() -> None:
+    """The agent may sample amax every step (amax_every=1): 48 samples would then be 48 steps, where a
+    healthy amax's wander (a slow random walk, ~0.3 bits over hundreds of steps) reads as growth. The
+    window keeps one sample per 10 steps, so it spans 480 steps whatever the sampling; real growth is
+    still found, and a run resumed from a checkpoint (steps go back) is not a jump or a trend."""
+
+    def run(growth_per_step: float, resume_at: int | None = None) -> list[str]:
+        ctx = RunContext("r", 2)
+        det = Fp8OverflowDetector(ctx, Fp8OverflowDetector.Settings())
+        rng = np.random.default_rng(3)
+        walk = 0.0
+        steps = list(range(1, 3001))
+        if resume_at is not None:  # killed at 2400, resumed from the checkpoint of step 2000
+            steps = list(range(1, 2401)) + list(range(2001, resume_at))
+        for i, step in enumerate(steps):
+            walk = 0.998 * walk + rng.normal(0.0, 0.016)
+            amax = 20.0 * math.exp(walk + growth_per_step * max(0, i - 1500)) * np.exp(rng.normal(0, 0.02, 2))
+            det.on_frame(
+                StepFrame("r", step, 1e9 + i, np.ones(2, dtype=bool), {}, tensors={"amax": {"m": amax}})
+            )
+        return [a.key for a in ctx.book.drain_changes()]
+
+    assert run(0.0) == []
+    assert run(0.0, resume_at=3500) == []
+    assert run(0.006) == ["module:m"]

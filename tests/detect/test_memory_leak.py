@@ -192,3 +192,17 @@ def test_host_rss_sent_once_per_batch_is_judged_per_sample() -> None:
     assert 0.9 < a.evidence["mb_per_step"] < 1.1
     assert a.detected_step < 300 + 34 * 23  # 33 samples after the onset, not 33 blocks of 10 steps
     assert not ctx.book.resolved
+
+
+def test_a_fast_sawtooth_climbing_back_to_its_old_peak_is_not_a_leak() -> None:
+    """Rank 0 collects 2.6 GB over 200 steps (13 MB/step: on its rise, it looks like a leak that
+    exhausts the device within minutes) and lets it go, again and again. Its first rise cannot be told
+    from a leak; every later one only climbs back to the peak it held before."""
+    t = np.arange(1, 3001, dtype=np.float64)
+    alloc = _base(3000, 4)
+    alloc[:, 0] += 13.0 * ((t - 1) % 200)
+    _, anomalies = _run(alloc)
+    assert all(a.rank == 0 and a.first_step < 200 for a in anomalies), [
+        (a.rank, a.first_step) for a in anomalies
+    ]
+    assert len(anomalies) <= 1

@@ -22,10 +22,12 @@ Signal (per module, on sampled steps, `frame.tensors["amax"]`, max over ranks):
 - jump: headroom_bits < -`jump_bits`, with H the max of the module's sampled amax over the last
   `history_steps` steps (sampled history: between samples the true history has also grown, so this
   errs towards overflow by at most growth x sample interval);
-- growth: the Theil-Sen slope of log2(amax) per step over the last `window_samples` samples is at
+- growth: the Theil-Sen slope of log2(amax) per step over the last `window_samples` samples (at most
+  one kept per `sample_gap_steps`, so the window spans >= 480 steps however often the agent samples) is at
   least `min_growth_bits_per_step`, and so is the slope of the latest half of the window (the growth
   is still going on, not an old step-up).
-Resolves after `clear_samples` samples with neither (growth below half the threshold, headroom
+A run resumed from a checkpoint (steps go back) starts the history again. Resolves after
+`clear_samples` samples with neither (growth below half the threshold, headroom
 above -jump_bits / 2).
 
 Evidence: `module`, `amax`, `rank` (the rank with the max), `history_max`, `history_steps`,
@@ -64,7 +66,8 @@ RING_SAMPLES = 128  # sampled amax kept per module: enough for the history and t
 class Fp8OverflowSettings(DetectorSettings):
     history_steps: int = 1024  # delayed-scaling amax history (TE amax_history_len)
     margin_bits: float = 0.0  # delayed-scaling margin (TE margin)
-    window_samples: int = 48  # sampled steps in the growth window
+    window_samples: int = 48  # samples in the growth window
+    sample_gap_steps: int = 10  # at most one sample per this many steps is kept (amax_every=1 or 10 alike)
     min_growth_bits_per_step: float = 0.003  # sustained growth that is a risk (x2 per ~330 steps)
     jump_bits: float = 1.0  # amax this many bits above its history max: overflow now
     # Jumps are judged once a module has this many earlier samples: in the first steps of training
@@ -88,6 +91,7 @@ class Fp8OverflowDetector(Detector):
         self._log2 = np.zeros((0, RING_SAMPLES))  # per module: log2(amax)
         self._n = np.zeros(0, dtype=np.int64)  # samples written per module
         self._clear = np.zeros(0, dtype=np.int64)  # consecutive samples without risk
+        self._last_step = -1
 
     def _rows(self, names: list[str]) -> np.ndarray:
         for name in names:
@@ -106,6 +110,11 @@ class Fp8OverflowDetector(Detector):
         amax_by_name = frame.tensors.get("amax")
         if not amax_by_name:
             return
+        if frame.step < self._last_step:  # a run resumed from a checkpoint: its history starts again
+            self._steps[:] = np.nan
+            self._log2[:] = np.nan
+            self._n[:] = 0
+        self._last_step = frame.step
         names = list(amax_by_name)
         values = np.abs(np.stack([amax_by_name[n] for n in names]))  # (m, R)
         ok = (np.isfinite(values) & (values > 0)).any(axis=1)  # non-finite amax is `nonfinite`'s job
@@ -126,10 +135,15 @@ class Fp8OverflowDetector(Detector):
         hist_max = np.nanmax(np.where(in_hist, self._log2[rows], -np.inf), axis=1)
         headroom = self.s.margin_bits + hist_max - log2  # -inf history: no headroom known yet
         settled = self._n[rows] >= self.s.min_history_samples
-        slot = self._n[rows] % RING_SAMPLES
-        self._steps[rows, slot] = frame.step
-        self._log2[rows, slot] = log2
-        self._n[rows] += 1
+        # Keep one sample per sample_gap_steps: the growth window spans the same steps however often
+        # the agent samples (every step, a 48-sample window would be 48 steps of amax wander).
+        last = self._steps[rows, (self._n[rows] - 1) % RING_SAMPLES]
+        take = (self._n[rows] == 0) | ~(frame.step - last < self.s.sample_gap_steps)
+        kept = rows[take]
+        slot = self._n[kept] % RING_SAMPLES
+        self._steps[kept, slot] = frame.step
+        self._log2[kept, slot] = log2[take]
+        self._n[kept] += 1
         slope, recent, window_steps = self._growth(rows)
         s = self.s
         jump = settled & np.isfinite(headroom) & (headroom < -s.jump_bits)

@@ -194,9 +194,19 @@ class MemoryLeakDetector(Detector):
         span = pos[-1] - pos[0]
         net = means[-1] - means[0]
         first, last = parts[0], parts[-1]
+        # Above everything the rank held before the window (a sawtooth climbs back to its old peak; a
+        # leak leaves it behind), by the rise the window itself demands.
+        older = h - n
+        high = np.full(self._filled.shape, -np.inf)
+        if older > 0:
+            k = np.arange(older)[:, None]
+            oidx = (self._filled[None, :] - h + k) % h
+            have = k >= h - self._filled[None, :]
+            high = np.where(have, np.take_along_axis(self._means, oidx, axis=0), -np.inf).max(axis=0)
         with np.errstate(all="ignore"):
             sustained = np.all(parts >= bar, axis=0)
             kept = (last >= s.keep_ratio * first) & (net >= s.net_fraction * slope * span)
+            kept &= means[-1] - high >= s.net_fraction * slope * span
             # Growth still to come: the parts' slowdown, if any, read as an exponential approach
             # (rate per step between the first and the last part's centres), whose total is finite.
             dist = np.maximum(span * (s.sub_windows - 1) / s.sub_windows, 1.0)
