@@ -60,6 +60,7 @@ DEVICES_MIB = (40_536.0, 81_251.0, 81_559.0, 143_771.0)  # A100 40GB, A100 80GB,
 MEMORY_MARGIN_MB = 5_000.0  # what is left free on a device (beyond fragmentation) in most runs
 FRAGMENTATION_MB = 2_400.0  # the most the simulated caching allocator reserves beyond the peak
 MIN_BASE_MB = 4_000.0  # parameters, gradients and optimizer state of the smallest model
+STALL_MAX_S = 20.0
 USER_MODULES = ("train", "pretrain", "finetune", "trainer.loop", "main")
 
 
@@ -212,9 +213,12 @@ def _benign(rng: np.random.Generator, scn: Scenario, want_drift: bool) -> list[B
     if rng.random() < 0.5:
         for _ in range(int(rng.integers(1, 6))):
             n = int(rng.integers(1, 11))
-            out.append(DataStall(
-                int(rng.integers(0, ws)), int(rng.integers(20, steps - n)), n, round(float(rng.uniform(0.5, 10.0)), 2)
-            ))  # fmt: skip
+            # A rank stopped for longer than a hang's deadline (max(30 s, 5 steps)) would be a hang:
+            # a benign stall waits at most STALL_MAX_S per step.
+            times = min(float(rng.uniform(0.5, 10.0)), STALL_MAX_S * 1000.0 / scn.step_ms)
+            out.append(
+                DataStall(int(rng.integers(0, ws)), int(rng.integers(20, steps - n)), n, round(times, 2))
+            )
     if rng.random() < 0.5:
         for _ in range(int(rng.integers(1, 5))):
             n = int(rng.integers(1, 16))
