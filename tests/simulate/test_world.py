@@ -104,3 +104,14 @@ def test_world_batches_pass_the_structural_check_and_the_collector(index: int) -
         check_batch(b)
         if i % 11 == 0 or b.get("events") or not b["steps"]:
             validate.parse_batch(json.loads(json.dumps(b)))
+
+
+def test_cli_lists_and_describes_world_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    from stepwatch_server.simulate.__main__ import main
+
+    assert main(["list", "--world", "heldout"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 40 and "heldout-000" in lines[0]
+    assert main(["describe", "dev-003"]) == 0
+    described = json.loads(capsys.readouterr().out)
+    assert described["name"] == "dev-003" and "benign" in described and "labels" in described

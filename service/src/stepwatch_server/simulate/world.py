@@ -358,7 +358,12 @@ def composition(scenarios: dict[str, Scenario]) -> dict[str, Any]:
         "rank_steps": sum(s.completed_steps * s.world_size for s in scenarios.values()),
         "labels": labels,
         "benign_runs": benign,
-        "unmarked_pause_runs": count(lambda s: (s.eval_every or s.ckpt_every) and len(s.marked_pauses) < 2),
+        "unmarked_pause_runs": count(
+            lambda s: (
+                (s.eval_every and "eval" not in s.marked_pauses)
+                or (s.ckpt_every and "checkpoint" not in s.marked_pauses)
+            )
+        ),
         "agent_activity_runs": count(lambda s: s.agent_activity),
         "capacity_reported_runs": count(lambda s: s.capacity_mb is not None),
         "resumed_runs": count(lambda s: bool(s.resumes)),
