@@ -25,7 +25,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from stepwatch_server.detect.evaluate import score_results, world_report
+from stepwatch_server.detect.evaluate import costliest_first, score_results, world_report
 from stepwatch_server.simulate import Detection, Label, Scenario, Simulation
 from stepwatch_server.simulate.world import SPLITS
 from stepwatch_server.simulate.world import split as world_split
@@ -115,8 +115,8 @@ def main(argv: list[str]) -> int:
     scns = [s for n, s in world_split(args.world).items() if not args.runs or n in args.runs]
     started = time.monotonic()
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        futures = [pool.submit(replay, tree, sc, strip) for sc in scns]
-        results = [f.result() for f in futures]
+        futures = {i: pool.submit(replay, tree, scns[i], strip) for i in costliest_first(scns)}
+        results = [futures[i].result() for i in range(len(scns))]
     infos = [r[3] for r in results]
     collectors = sorted({i["collector"] for i in infos})
     rejected = [f"{sc.name}: {m}" for sc, i in zip(scns, infos, strict=True) for m in i["rejected"]]

@@ -5,7 +5,8 @@
     build(DEV[7])                   # the same seed always gives the same scenario (and trace)
 
 A split is 40 runs with a fixed mix of world sizes (2 to 512 ranks, a quarter of them <= 4), so that
-each split stays near 4 million rank-steps. The split's plan keeps a third of its runs clean (every
+each split stays near 4 million rank-steps (and the largest runs' steps are shorter, so that no run
+holds more than ~2 million batches). The split's plan keeps a third of its runs clean (every
 third in order of size) and deals each of `world_faults.VARIANTS` (every fault kind at least 4 times,
 with the hard cases) to one of the others, one or two a run. Everything else comes from the run's own seed: its shape
 (steps, step time, noise, warm-up, pauses and whether they are marked, the agent's version), a random
@@ -55,6 +56,7 @@ CLEAN_RUNS = 13
 WORLD_SIZES = {2: 3, 3: 3, 4: 4, 8: 7, 16: 6, 32: 8, 64: 4, 128: 3, 256: 1, 512: 1}
 MIN_STEPS, MAX_STEPS = 1500, 6000
 MAX_RANK_STEPS = 256_000  # a run's steps x ranks (at least MIN_STEPS steps)
+MAX_RANK_SECONDS = 1_000_000.0  # a run's ranks x its steps' event time (about 2 batches a rank-second)
 STREAM_SHAPE, STREAM_BENIGN, STREAM_FAULTS, STREAM_MEMORY = 11, 12, 13, 14
 DEVICES_MIB = (40_536.0, 81_251.0, 81_559.0, 143_771.0)  # A100 40GB, A100 80GB, H100 80GB, H200
 MEMORY_MARGIN_MB = 5_000.0  # what is left free on a device (beyond fragmentation) in most runs
@@ -125,7 +127,11 @@ def _shape(rng: np.random.Generator, world_size: int, max_steps: int | None) -> 
     steps = round(log_uniform(rng, MIN_STEPS, cap)) if cap > MIN_STEPS else MIN_STEPS
     if max_steps is not None:
         steps = min(steps, max_steps)
-    step_ms = round(log_uniform(rng, 80.0, 6000.0), 1)
+    # A rank sends a batch every ~2 s whatever its step time: the run's rank-seconds are what scoring it
+    # costs, so the largest runs step in at most MAX_RANK_SECONDS / (ranks x steps).
+    step_ms = round(
+        log_uniform(rng, 80.0, max(160.0, min(6000.0, MAX_RANK_SECONDS * 1000.0 / (world_size * steps)))), 1
+    )
     kw: dict[str, Any] = {
         "steps": steps,
         "ranks_per_node": 8 if rng.random() < 0.7 else 4,
