@@ -11,7 +11,7 @@ from functools import cache
 import numpy as np
 import pytest
 
-from stepwatch_server.simulate import LossSpike, MemoryLeak, Scenario, Simulation
+from stepwatch_server.simulate import LossSpike, MemoryLeak, Scenario, Simulation, Straggler
 from stepwatch_server.simulate.benign import (
     Congestion,
     DataStall,
@@ -45,7 +45,10 @@ def arrays(scn: Scenario) -> dict[str, np.ndarray]:
         "loss",
         "grad_norm",
     )
-    return {n: np.concatenate([getattr(ch, n) for ch in chunks]) for n in names}
+    out = {n: np.concatenate([getattr(ch, n) for ch in chunks]) for n in names}
+    out["pause_ms"] = np.concatenate([ch.pause_ms for ch in chunks])
+    out["stall_ms"] = np.concatenate([ch.stall_ms for ch in chunks])  # type: ignore[misc]
+    return out
 
 
 def with_benign(*benign: object, **kw: object) -> Scenario:
@@ -160,3 +163,14 @@ def test_scenarios_reject_ambiguous_or_impossible_benign_behaviours() -> None:
         with_benign(NodeDataHiccup(node=2, step=10, steps=1, factor=2.0))
     with pytest.raises(ValueError, match="loss bump"):
         with_benign(LossBump(500, 5, 1.1), faults=(LossSpike(503),))
+
+
+def test_a_slow_loader_does_not_stretch_a_pause_or_a_storage_blip() -> None:
+    kw = {"eval_every": 300, "eval_s": 30.0, "global_blip_rate": 1 / 50}
+    a = arrays(with_benign(**kw))
+    b = arrays(with_benign(faults=(Straggler(4, 200, factor=2.0, phase="data"),), **kw))
+    extra = b["data"][:, 4] - a["data"][:, 4]
+    own = a["data"][:, 4] - a["pause_ms"] - a["stall_ms"]
+    np.testing.assert_allclose(extra[199:], own[199:])  # 2x its own wait, and only that
+    assert a["pause_ms"][300] > 25_000 and a["stall_ms"][199:].max() > 0.9 * BASE.step_ms  # both happen
+    assert extra[300] < 0.1 * BASE.step_ms  # step 301, after the 30 s evaluation

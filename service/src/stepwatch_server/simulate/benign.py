@@ -156,12 +156,6 @@ def _rows(ch: Chunk, first: int, steps: int) -> np.ndarray:
     return ch.rows(first, first + steps - 1)
 
 
-def _own(ch: Chunk) -> np.ndarray:
-    """Data time without the pauses that sit in it (eval, checkpoint), which no loader slows."""
-    own: np.ndarray = ch.data - ch.pause_ms[:, None]
-    return own
-
-
 # -- effects -------------------------------------------------------------------------------------------
 
 
@@ -216,7 +210,7 @@ def node_data_hiccup(b: NodeDataHiccup, ch: Chunk, scn: Scenario) -> None:
         return
     ranks = np.array(scn.ranks_of_node(b.node), dtype=np.int64)
     sub = np.ix_(rows, ranks)
-    ch.data[sub] += (b.factor - 1.0) * _own(ch)[sub]
+    ch.data[sub] += (b.factor - 1.0) * ch.own_data()[sub]
 
 
 def data_stall(b: DataStall, ch: Chunk, scn: Scenario) -> None:
@@ -235,7 +229,7 @@ def extra_data_work_ranks(b: ExtraDataWork, scn: Scenario) -> tuple[int, ...]:
 
 def extra_data_work(b: ExtraDataWork, ch: Chunk, scn: Scenario) -> None:
     ranks = np.array(extra_data_work_ranks(b, scn), dtype=np.int64)
-    ch.data[:, ranks] += (b.factor - 1.0) * _own(ch)[:, ranks]
+    ch.data[:, ranks] += (b.factor - 1.0) * ch.own_data()[:, ranks]
 
 
 def resume(b: Resume, ch: Chunk, scn: Scenario) -> None:

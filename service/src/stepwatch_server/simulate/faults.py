@@ -123,11 +123,14 @@ def nonfinite(f: NonFinite, ch: Chunk, scn: Scenario) -> None:
 
 
 def straggler(f: Straggler, ch: Chunk, scn: Scenario) -> None:
+    """A slow loader (data) or a slow GPU (forward). The data factor applies to the rank's own data
+    wait, not to a pause or storage blip measured in the same interval."""
     rows = ch.rows(f.start, _end(f.start, f.duration))
-    target = ch.data if f.phase == "data" else ch.forward
-    target[rows, f.rank] *= f.factor
-    if f.extra_ms:
-        target[rows, f.rank] += f.extra_ms
+    if f.phase == "data":
+        ch.data[rows, f.rank] += (f.factor - 1.0) * ch.own_data()[rows, f.rank] + f.extra_ms
+        return
+    ch.forward[rows, f.rank] *= f.factor
+    ch.forward[rows, f.rank] += f.extra_ms
 
 
 def slow_node(f: SlowNode, ch: Chunk, scn: Scenario) -> None:

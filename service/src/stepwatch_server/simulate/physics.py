@@ -117,6 +117,16 @@ class Chunk:
     incarnation: int = 0  # 0 for the first session, 1.. after each resume
     session_start_ts: float | None = None  # set on the first chunk of a resumed session
     kill_ts: float | None = None  # set on the last chunk of a session that is killed
+    stall_ms: np.ndarray | None = None  # (n,) storage blip inside every rank's data time (None: none)
+
+    def own_data(self) -> np.ndarray:
+        """(n, R) data time that is the rank's loader's own: without the pause and the storage blip
+        that sit in the same measured interval (no loader makes a checkpoint or a filesystem stall longer)."""
+        own: np.ndarray = self.data - self.pause_ms[:, None]
+        if self.stall_ms is not None:
+            own = own - self.stall_ms[:, None]
+        return own
+
     # (row, rank, kind, data): events stamped at that rank's step end (phase events add an offset)
     events: list[tuple[int, int, str, dict[str, Any]]] = field(default_factory=list)
     backward: np.ndarray | None = None
@@ -223,7 +233,8 @@ class CleanPhysics:
         gc = rng.random((n, R)) < scn.gc_rate
         forward += gc * rng.uniform(0.3, 1.5, (n, R)) * ms
         blip = rng.random(n) < scn.global_blip_rate
-        data += (blip * rng.uniform(1.0, 4.0, n) * ms)[:, None]
+        stall_ms = blip * rng.uniform(1.0, 4.0, n) * ms
+        data += stall_ms[:, None]
         # Warm-up: a session's first step compiles/autotunes, the next few are still slow.
         in_session = steps - (session_first - 1)
         early = in_session <= 5
@@ -257,7 +268,7 @@ class CleanPhysics:
             pause_ms=pause_ms, pause_kind=pause_kind, lr=lr, loss=loss, grad_norm=grad_norm,
             alloc=alloc, peak=peak, reserved=reserved, amax=amax, nf_loss=zeros, nf_grads=zeros.copy(),
             nf_act=zeros.copy(), fp_rows=fp_rows, events=events, session_first=session_first,
-            incarnation=incarnation,
+            incarnation=incarnation, stall_ms=stall_ms,
         )  # fmt: skip
 
     def _loss_and_grads(

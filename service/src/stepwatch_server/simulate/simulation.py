@@ -68,10 +68,10 @@ class Simulation:
                 index += 1
                 if j == 0 and seg.incarnation > 0:
                     ch.session_start_ts = scn.start_ts + physics.t_ms / 1000.0
-                for b in scn.benign:
-                    benign_effects.apply(b, ch, scn)
                 for f in scn.faults:
                     fault_effects.apply(f, ch, scn)
+                for b in scn.benign:  # after the faults: a stall on a slow loader's rank adds, not multiplies
+                    benign_effects.apply(b, ch, scn)
                 physics.finish_memory(ch)
                 physics.sync(ch)
                 assert ch.end_ts is not None
