@@ -28,7 +28,10 @@ AGENT_METRICS = {
     "time.step_ms", "mem.allocated_mb", "mem.reserved_mb", "mem.peak_mb", "nonfinite.loss", "nonfinite.grads",
     "nonfinite.activations",
 }  # fmt: skip
+OPTIONAL_METRICS = {"mem.capacity_mb"}  # sent by the simulator only when the scenario reports a capacity
 NONFINITE_STRINGS = {"NaN", "Infinity", "-Infinity"}
+HEARTBEAT = {"ts", "phase", "last_step", "forwards", "nograd_forwards", "stack"}
+MAX_STACK_FRAMES, MAX_FRAME_CHARS = 16, 200
 
 
 def _int(v: Any, minimum: int) -> bool:
@@ -58,12 +61,12 @@ def check_batch(b: dict[str, Any]) -> None:
     assert all(isinstance(t, float) and math.isfinite(t) for t in ts)
     n_values = 0
     for name, col in b.get("metrics", {}).items():
-        assert NAME_RE.fullmatch(name) and name in AGENT_METRICS | {"lr"}, name
+        assert NAME_RE.fullmatch(name) and name in AGENT_METRICS | OPTIONAL_METRICS, name
         assert len(col) == len(steps), name
         assert all(_value(v) for v in col), name
         n_values += len(col)
     if steps:
-        assert set(b["metrics"]) == AGENT_METRICS
+        assert AGENT_METRICS <= set(b["metrics"]) <= AGENT_METRICS | OPTIONAL_METRICS
     step_set = set(steps)
     if "tensors" in b:
         t = b["tensors"]
@@ -87,8 +90,17 @@ def check_batch(b: dict[str, Any]) -> None:
         )
         assert isinstance(e["data"], dict) and len(json.dumps(e["data"])) <= 4096
     hb = b["heartbeat"]
+    assert set(hb) <= HEARTBEAT, set(hb) - HEARTBEAT
     assert isinstance(hb["ts"], float) and isinstance(hb["phase"], str)
     assert hb["last_step"] is None or _int(hb["last_step"], 0)
+    for name in ("forwards", "nograd_forwards"):
+        assert name not in hb or _int(hb[name], 0), name
+    if "forwards" in hb and "nograd_forwards" in hb:
+        assert hb["nograd_forwards"] <= hb["forwards"]  # no-grad forwards are forwards too
+    if "stack" in hb:
+        frames = hb["stack"]
+        assert isinstance(frames, list) and len(frames) <= MAX_STACK_FRAMES
+        assert all(isinstance(f, str) and 1 <= len(f) <= MAX_FRAME_CHARS for f in frames)
     assert n_values <= 1_000_000
     json.dumps(b, allow_nan=False)  # non-finite values must be strings
 

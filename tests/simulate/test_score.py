@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from stepwatch_server.simulate import Detection, Label, Score, score, score_scenario
-from stepwatch_server.simulate.score import EARLY_SLACK_STEPS, LATE_SLACK_STEPS, matches
+from stepwatch_server.simulate.score import EARLY_SLACK_STEPS, LATE_SLACK_STEPS, matches, steps_outside
 
 SPIKE = Label("loss_spike", None, None, 1000, 1030, first_ts=5000.0)
 STRAGGLER = Label("straggler", 17, "gpu-002", 500, None, tolerated=("throughput_drop",), first_ts=2000.0)
@@ -112,3 +112,34 @@ def test_detection_from_dict_accepts_collector_shaped_anomalies() -> None:
     assert (d.first_step, d.detected_at_step, d.module) == (120, 120, "lm_head")
     with pytest.raises(ValueError, match="first_step"):
         Detection.from_dict({"kind": "hang"})
+
+
+def test_clean_steps_are_the_steps_outside_every_labels_window() -> None:
+    leak = Label("memory_leak", 3, "gpu-000", 1000, None)  # open-ended: to the end of the run
+    spike = Label("loss_spike", None, None, 200, 230)
+    # spike window 195..280, leak window 995..end; a resume ran 401..500 twice
+    assert steps_outside([spike, leak], [(1, 500), (401, 2000)]) == (500 - 86) + (994 - 400)
+    assert steps_outside([], [(1, 100)]) == 100
+    assert steps_outside([Label("hang", 1, "gpu-000", 50, None)], [(1, 49)]) == 44
+
+
+def test_world_false_alarms_count_every_run_against_clean_steps() -> None:
+    s = Score()
+    score_scenario(
+        s, "faulty", [SPIKE], [det("loss_spike", 1000, 1001), det("hang", 1500, 1500, summary="stalled 40 s")],
+        steps=3000,
+    )  # fmt: skip
+    score_scenario(s, "clean", [], [det("straggler", 10, 60, rank=1, summary="rank 1 slow")], steps=2000)
+    assert s.steps_outside_labels == 3000 - (1030 + 50 - 995 + 1) + 2000
+    assert s.false_alarms_per_10k_clean_steps() == pytest.approx(2 * 10_000 / s.steps_outside_labels)
+    assert s.false_alarms_per_10k_clean_steps("hang") == pytest.approx(10_000 / s.steps_outside_labels)
+    assert s.false_alarms_per_10k_steps == pytest.approx(5.0)  # the suite's figure: clean runs only
+    assert [(r["scenario"], r["kind"], r["summary"], r["clean_run"]) for r in s.false_alarm_rows] == [
+        ("faulty", "hang", "stalled 40 s", False),
+        ("clean", "straggler", "rank 1 slow", True),
+    ]
+    overall = s.overall()
+    assert (overall.labels, overall.recalled, overall.tp, overall.fp) == (1, 1, 1, 2)
+    score_scenario(s, "missed", [STRAGGLER], [], steps=1000)
+    assert s.miss_rows[-1]["scenario"] == "missed" and s.miss_rows[-1]["rank"] == 17
+    assert s.as_dict()["false_alarms_per_10k_clean_steps"] == s.false_alarms_per_10k_clean_steps()

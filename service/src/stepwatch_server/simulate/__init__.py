@@ -5,9 +5,25 @@ and ground-truth labels, emitted as schema-1 ingest batches; plus the scorer for
     sim = Simulation(SCENARIOS["straggler_10pct_fwd_64"])
     for batch in sim: ...           # what a collector would receive, in order
     sim.labels                      # ground truth, with onset timestamps
+
+Benign behaviours (`benign.py`: drift, allocator steps, congestion, data hiccups, loss bumps, resumes)
+make no labels; `world.split("dev")` / `world.split("heldout")` are the randomised runs the detectors
+are scored on (`world.py`).
 """
 
 from stepwatch_server.detect.anomalies import KINDS
+from stepwatch_server.simulate.benign import (
+    Benign,
+    Congestion,
+    DataStall,
+    EvalMemoryStep,
+    ExtraDataWork,
+    LossBump,
+    MemoryDrift,
+    MemorySawtooth,
+    NodeDataHiccup,
+    Resume,
+)
 from stepwatch_server.simulate.scenario import (
     Divergence,
     Fault,
@@ -32,17 +48,27 @@ __all__ = [
     "KINDS",
     "QUICK",
     "SCENARIOS",
+    "Benign",
+    "Congestion",
+    "DataStall",
     "Detection",
     "Divergence",
+    "EvalMemoryStep",
+    "ExtraDataWork",
     "Fault",
     "Fp8OverflowRisk",
     "Hang",
     "KindScore",
     "Label",
+    "LossBump",
     "LossSpike",
+    "MemoryDrift",
     "MemoryLeak",
+    "MemorySawtooth",
+    "NodeDataHiccup",
     "NonFinite",
     "ReplicaDivergence",
+    "Resume",
     "Scenario",
     "Score",
     "Simulation",

@@ -123,9 +123,14 @@ def nonfinite(f: NonFinite, ch: Chunk, scn: Scenario) -> None:
 
 
 def straggler(f: Straggler, ch: Chunk, scn: Scenario) -> None:
+    """A slow loader (data) or a slow GPU (forward). The data factor applies to the rank's own data
+    wait, not to a pause or storage blip measured in the same interval."""
     rows = ch.rows(f.start, _end(f.start, f.duration))
-    target = ch.data if f.phase == "data" else ch.forward
-    target[rows, f.rank] *= f.factor
+    if f.phase == "data":
+        ch.data[rows, f.rank] += (f.factor - 1.0) * ch.own_data()[rows, f.rank] + f.extra_ms
+        return
+    ch.forward[rows, f.rank] *= f.factor
+    ch.forward[rows, f.rank] += f.extra_ms
 
 
 def slow_node(f: SlowNode, ch: Chunk, scn: Scenario) -> None:
@@ -141,6 +146,11 @@ def memory_leak(f: MemoryLeak, ch: Chunk, scn: Scenario) -> None:
     if f.duration is not None:
         k = np.minimum(k, f.duration)
     grow = np.maximum(k + 1.0, 0.0) * f.mb_per_step
+    if f.rank is None:  # the same code leaks on every rank, at rates a few percent apart
+        rates = 1.0 + 0.03 * np.sin(np.arange(scn.world_size) * 1.3)
+        ch.alloc += grow[:, None] * rates[None, :]
+        ch.peak += grow[:, None] * rates[None, :]
+        return
     ch.alloc[:, f.rank] += grow
     ch.peak[:, f.rank] += grow
 
@@ -225,7 +235,8 @@ def labels_for(f: Fault, scn: Scenario) -> list[Label]:
     if isinstance(f, Straggler):
         return [
             Label("straggler", f.rank, scn.node_of(f.rank), f.start, _end(f.start, f.duration),
-                  {"phase": f.phase, "factor": f.factor}, tolerated=("throughput_drop",))
+                  {"phase": f.phase, "factor": f.factor, **({"extra_ms": f.extra_ms} if f.extra_ms else {})},
+                  tolerated=("throughput_drop",))
         ]  # fmt: skip
     if isinstance(f, SlowNode):
         ranks = _slow_node_ranks(f, scn)
@@ -241,8 +252,8 @@ def labels_for(f: Fault, scn: Scenario) -> list[Label]:
         ]  # fmt: skip
     if isinstance(f, MemoryLeak):
         return [
-            Label("memory_leak", f.rank, scn.node_of(f.rank), f.start, _end(f.start, f.duration),
-                  {"mb_per_step": f.mb_per_step})
+            Label("memory_leak", f.rank, None if f.rank is None else scn.node_of(f.rank), f.start,
+                  _end(f.start, f.duration), {"mb_per_step": f.mb_per_step, **({"ranks": "all"} if f.rank is None else {})})
         ]  # fmt: skip
     if isinstance(f, ReplicaDivergence):
         every = scn.fingerprint_every

@@ -13,7 +13,13 @@ them, so T(s) = T(s-1) + max_r(arrive + bwd) + tail. A rank's reported backward 
 compute plus its wait for the slowest), its step ends at T(s) + opt. Step times are therefore equal
 across ranks up to optimizer noise, and a slow rank shows a long data/forward and a SHORT backward.
 Known pauses (eval, checkpoint) sit in the next step's data time, as the agent measures it (from the
-previous step's end), and are marked with phase_start/phase_end events.
+previous step's end), and are marked with phase_start/phase_end events when the user wrapped them in
+`watch.phase` (`Scenario.marked_pauses`).
+
+A resumed run (`benign.Resume`) is drawn session by session: `restart()` starts a new process at a
+later time, whose first step compiles again and whose memory ramps up again; its chunks draw from
+streams of their own (`default_rng([seed, stream, chunk, incarnation])`), so repeated steps get new
+values.
 """
 
 from __future__ import annotations
@@ -39,6 +45,21 @@ BASE_ALLOC_MB, ACT_PEAK_MB, MEM_WARMUP_STEPS = 38_000.0, 9_000.0, 40
 AMAX_OU_PHI, AMAX_OU_SIGMA, AMAX_RANK_SIGMA = 0.998, 0.008, 0.04
 AMAX_BASE = {"qkv": 8.0, "fc1": 14.0, "fc2": 22.0, "logits": 40.0, "lm_head": 30.0}
 STREAM_STATIC, STREAM_CHUNK, STREAM_BATCH = 0, 1, 3
+
+
+def shares(scn: Scenario) -> tuple[float, float, float, float, float]:
+    """(data, forward, backward, optimizer, tail) shares of the median step; `Scenario.data_share`
+    takes its share from the others in proportion."""
+    if scn.data_share is None:
+        return DATA_SHARE, FORWARD_SHARE, BACKWARD_SHARE, OPTIMIZER_SHARE, TAIL_SHARE
+    k = (1.0 - scn.data_share) / (1.0 - DATA_SHARE)
+    return scn.data_share, FORWARD_SHARE * k, BACKWARD_SHARE * k, OPTIMIZER_SHARE * k, TAIL_SHARE * k
+
+
+def stream(seed: int, kind: int, index: int, incarnation: int) -> np.random.Generator:
+    """The random stream of one chunk (the first session's keys are the ones used before resumes)."""
+    key = [seed, kind, index] if incarnation == 0 else [seed, kind, index, incarnation]
+    return np.random.default_rng(key)
 
 
 def lr_at(steps: np.ndarray, scn: Scenario) -> np.ndarray:
@@ -92,6 +113,20 @@ class Chunk:
     nf_act: np.ndarray
     fp_rows: np.ndarray  # row indices carrying a fingerprint
     fp_salt: dict[int, str] = field(default_factory=dict)  # rank -> salt (diverged replicas)
+    session_first: int = 1  # the first step of the agent session this chunk belongs to
+    incarnation: int = 0  # 0 for the first session, 1.. after each resume
+    session_start_ts: float | None = None  # set on the first chunk of a resumed session
+    kill_ts: float | None = None  # set on the last chunk of a session that is killed
+    stall_ms: np.ndarray | None = None  # (n,) storage blip inside every rank's data time (None: none)
+
+    def own_data(self) -> np.ndarray:
+        """(n, R) data time that is the rank's loader's own: without the pause and the storage blip
+        that sit in the same measured interval (no loader makes a checkpoint or a filesystem stall longer)."""
+        own: np.ndarray = self.data - self.pause_ms[:, None]
+        if self.stall_ms is not None:
+            own = own - self.stall_ms[:, None]
+        return own
+
     # (row, rank, kind, data): events stamped at that rank's step end (phase events add an offset)
     events: list[tuple[int, int, str, dict[str, Any]]] = field(default_factory=list)
     backward: np.ndarray | None = None
@@ -129,8 +164,10 @@ class CleanPhysics:
         self.speed = np.exp(rng.normal(0.0, RANK_SPEED_SIGMA * scn.noise, R))
         self.data_speed = np.exp(rng.normal(0.0, 2 * RANK_SPEED_SIGMA * scn.noise, R))
         self.skew_s = rng.normal(0.0, 0.002, R)  # NTP-level clock offsets
-        self.base_alloc = BASE_ALLOC_MB + rng.normal(0.0, 120.0, R)
-        self.act_peak = ACT_PEAK_MB + rng.normal(0.0, 80.0, R)
+        base = BASE_ALLOC_MB if scn.base_alloc_mb is None else scn.base_alloc_mb
+        self.base_alloc = base + rng.normal(0.0, 120.0, R)
+        act = ACT_PEAK_MB if scn.act_peak_mb is None else scn.act_peak_mb
+        self.act_peak = act + rng.normal(0.0, 80.0, R)
         self.frag = rng.uniform(600.0, 2400.0, R)
         # Allocator plateaus: a step-up of a few hundred MB reached over a few steps, then flat.
         n_plateaus = rng.poisson(scn.plateaus_per_10k * scn.steps / 10_000, R)
@@ -142,48 +179,74 @@ class CleanPhysics:
         self.pl_onehot = np.zeros((k, R))  # plateau -> its rank, to add plateaus with one matmul
         self.pl_onehot[np.arange(k), self.pl_rank] = 1.0
         self.amax_base = np.array([module_base_amax(m) for m in scn.modules]) * np.exp(rng.normal(0, 0.2, M))
+        self.shares = shares(scn)
         self.carry = _Carry(
-            prev_opt=np.full(R, OPTIMIZER_SHARE * scn.step_ms),
+            prev_opt=np.full(R, self.shares[3] * scn.step_ms),
             amax_ou=np.zeros(M),
             reserved_max=np.zeros(R),
         )
 
-    def chunk_ranges(self) -> list[tuple[int, int]]:
-        """[first, last] steps of each chunk, aligned to multiples of chunk_steps, up to the last step."""
-        c, last = self.scn.chunk_steps, self.scn.last_step
-        return [(a, min(a + c - 1, last)) for a in range(1, last + 1, c)]
+    def chunk_ranges(self, first: int = 1, last: int | None = None) -> list[tuple[int, int]]:
+        """[first, last] steps of each chunk of steps first..last (default: the whole run), chunks
+        aligned to multiples of chunk_steps."""
+        c = self.scn.chunk_steps
+        last = self.scn.last_step if last is None else last
+        out, a = [], first
+        while a <= last:
+            b = min((a - 1) // c * c + c, last)
+            out.append((a, b))
+            a = b + 1
+        return out
 
-    def draw(self, index: int, first: int, last: int) -> Chunk:
-        """The clean intrinsic values of steps first..last (timings not yet synchronised)."""
+    def restart(self, start_ms: float) -> None:
+        """A new process (a resumed session) starts at `start_ms` after start_ts: the caching allocator
+        starts empty; the loss wander and the amax state go on (the same data, the same model)."""
+        R = self.scn.world_size
+        self.carry.t_ms = start_ms
+        self.carry.prev_opt = np.full(R, self.shares[3] * self.scn.step_ms)
+        self.carry.reserved_max = np.zeros(R)
+
+    @property
+    def t_ms(self) -> float:
+        """The last all-reduce end, ms after start_ts."""
+        return self.carry.t_ms
+
+    def draw(self, index: int, first: int, last: int, session_first: int = 1, incarnation: int = 0) -> Chunk:
+        """The clean intrinsic values of steps first..last (timings not yet synchronised), in the agent
+        session whose first step is `session_first`."""
         scn, R, M = self.scn, self.scn.world_size, len(self.scn.modules)
-        rng = np.random.default_rng([scn.seed, STREAM_CHUNK, index])
+        rng = stream(scn.seed, STREAM_CHUNK, index, incarnation)
         steps = np.arange(first, last + 1, dtype=np.int64)
         n, nz = steps.shape[0], scn.noise
         ms = scn.step_ms
+        data_share, forward_share, backward_share, optimizer_share, tail_share = self.shares
 
         def lognormal(sigma: float, shape: tuple[int, ...]) -> np.ndarray:
             return np.exp(rng.normal(0.0, sigma * nz, shape))
 
-        data = DATA_SHARE * ms * self.data_speed * lognormal(DATA_SIGMA, (n, R))
-        forward = FORWARD_SHARE * ms * self.speed * lognormal(COMPUTE_SIGMA, (n, R))
-        bwd = BACKWARD_SHARE * ms * self.speed * lognormal(COMPUTE_SIGMA, (n, R))
-        opt = OPTIMIZER_SHARE * ms * lognormal(OPT_SIGMA, (n, R))
-        tail = TAIL_SHARE * ms * lognormal(TAIL_SIGMA, (n,))
+        data = data_share * ms * self.data_speed * lognormal(DATA_SIGMA, (n, R))
+        forward = forward_share * ms * self.speed * lognormal(COMPUTE_SIGMA, (n, R))
+        bwd = backward_share * ms * self.speed * lognormal(COMPUTE_SIGMA, (n, R))
+        opt = optimizer_share * ms * lognormal(OPT_SIGMA, (n, R))
+        tail = tail_share * ms * lognormal(TAIL_SIGMA, (n,))
         # GC pauses in forward on one rank, and rare slow steps on every rank (a filesystem hiccup).
         gc = rng.random((n, R)) < scn.gc_rate
         forward += gc * rng.uniform(0.3, 1.5, (n, R)) * ms
         blip = rng.random(n) < scn.global_blip_rate
-        data += (blip * rng.uniform(1.0, 4.0, n) * ms)[:, None]
-        # Warm-up: step 1 compiles/autotunes, the next few are still slow.
-        early = steps <= 5
+        stall_ms = blip * rng.uniform(1.0, 4.0, n) * ms
+        data += stall_ms[:, None]
+        # Warm-up: a session's first step compiles/autotunes, the next few are still slow.
+        in_session = steps - (session_first - 1)
+        early = in_session <= 5
         if early.any():
-            slow = np.where(steps == 1, scn.compile_s * 1000.0, 0.4 * ms / steps.astype(np.float64))
+            slow = np.where(in_session == 1, scn.compile_s * 1000.0, 0.4 * ms / in_session.astype(np.float64))
             forward += (early * slow)[:, None] * rng.uniform(0.98, 1.02, (n, R))
         pause_ms = np.zeros(n)
         pause_kind: list[str | None] = [None] * n
         events: list[tuple[int, int, str, dict[str, Any]]] = []
         for i, s in enumerate(steps.tolist()):
-            kind = scn.pause_after(s - 1)
+            # A resumed session starts after its checkpoint's pause, which the killed session took.
+            kind = scn.pause_after(s - 1) if s > session_first or session_first == 1 else None
             if kind is not None:
                 length_s = scn.ckpt_s if kind == "checkpoint" else scn.eval_s
                 pause_ms[i] = length_s * 1000.0 * rng.uniform(0.9, 1.1)
@@ -192,7 +255,7 @@ class CleanPhysics:
 
         lr = lr_at(steps, scn)
         loss, grad_norm = self._loss_and_grads(rng, steps, lr, n, R)
-        alloc, peak, reserved = self._memory(rng, steps, n, R)
+        alloc, peak, reserved = self._memory(rng, steps, session_first, n, R)
         amax = self._amax(rng, steps, n, R, M)
         fp_rows = (
             np.flatnonzero(steps % scn.fingerprint_every == 0)
@@ -204,7 +267,8 @@ class CleanPhysics:
             index=index, steps=steps, data=data, forward=forward, bwd=bwd, opt=opt, tail=tail,
             pause_ms=pause_ms, pause_kind=pause_kind, lr=lr, loss=loss, grad_norm=grad_norm,
             alloc=alloc, peak=peak, reserved=reserved, amax=amax, nf_loss=zeros, nf_grads=zeros.copy(),
-            nf_act=zeros.copy(), fp_rows=fp_rows, events=events,
+            nf_act=zeros.copy(), fp_rows=fp_rows, events=events, session_first=session_first,
+            incarnation=incarnation, stall_ms=stall_ms,
         )  # fmt: skip
 
     def _loss_and_grads(
@@ -234,24 +298,30 @@ class CleanPhysics:
         return loss, np.repeat(g[:, None], R, axis=1)
 
     def _memory(
-        self, rng: np.random.Generator, steps: np.ndarray, n: int, R: int
+        self, rng: np.random.Generator, steps: np.ndarray, session_first: int, n: int, R: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        s = steps.astype(np.float64)
+        """Memory by the step within the session: a new process allocates everything again, and the
+        plateaus it had reached before come back once it reaches the same step (or at its start)."""
+        s = (steps - (session_first - 1)).astype(np.float64)
         ramp = np.minimum(1.0, s / MEM_WARMUP_STEPS)[:, None]  # optimizer state appears on early steps
         alloc = self.base_alloc * (0.7 + 0.3 * ramp) + np.round(rng.normal(0.0, 2.0, (n, R)), 0)
         if self.pl_rank.size:
-            frac = np.clip((s[:, None] - self.pl_step[None, :]) / self.pl_ramp[None, :], 0.0, 1.0)
+            pl_step = np.maximum(self.pl_step, session_first) - (session_first - 1)
+            frac = np.clip((s[:, None] - pl_step[None, :]) / self.pl_ramp[None, :], 0.0, 1.0)
             alloc += (frac * self.pl_size[None, :]) @ self.pl_onehot
         peak = alloc + self.act_peak * np.exp(rng.normal(0.0, 0.003, (n, R)))
         reserved = np.zeros_like(alloc)  # filled by finish_memory() once faults have moved `peak`
         return alloc, peak, reserved
 
     def finish_memory(self, ch: Chunk) -> None:
-        """The caching allocator keeps what it ever reserved: running max of peak + fragmentation."""
+        """The caching allocator keeps what it ever reserved: running max of peak + fragmentation (never
+        more than the device has)."""
         assert self.carry.reserved_max is not None
         run = np.maximum.accumulate(np.vstack([self.carry.reserved_max[None, :], ch.peak]), axis=0)[1:]
         self.carry.reserved_max = run[-1].copy()
         ch.reserved = np.ceil((run + self.frag) / 2.0) * 2.0
+        if self.scn.capacity_mb is not None:
+            np.minimum(ch.reserved, np.maximum(self.scn.capacity_mb, ch.peak), out=ch.reserved)
 
     def _amax(self, rng: np.random.Generator, steps: np.ndarray, n: int, R: int, M: int) -> np.ndarray:
         c = self.carry

@@ -1,5 +1,5 @@
-"""What a simulated run is: its shape (ranks, steps, timing, noise), its injected faults, and the
-ground truth the detectors are scored against.
+"""What a simulated run is: its shape (ranks, steps, timing, noise), its injected faults, its benign
+behaviours (`benign.py`), and the ground truth the detectors are scored against.
 
 A `Scenario` is plain, frozen data. Everything random is derived from `seed`, so one scenario always
 produces the same trace, and the same seed with and without a fault produces the same clean baseline
@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, NamedTuple
+
+from stepwatch_server.simulate.benign import Benign, LossBump, Resume
 
 DEFAULT_MODULES = (
     "layers.0.attn.qkv",
@@ -107,7 +109,8 @@ class NonFinite:
 
 @dataclass(frozen=True)
 class Straggler:
-    """One rank's `phase` time is `factor` x longer from `start` for `duration` steps (None: to the end)."""
+    """One rank's `phase` time is `factor` x longer, plus `extra_ms` (a loader that does more work per
+    batch), from `start` for `duration` steps (None: to the end)."""
 
     kind: ClassVar[str] = "straggler"
     rank: int
@@ -115,6 +118,7 @@ class Straggler:
     factor: float = 1.10
     phase: Literal["data", "forward"] = "forward"
     duration: int | None = None
+    extra_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -145,10 +149,12 @@ class Hang:
 
 @dataclass(frozen=True)
 class MemoryLeak:
-    """Allocated memory on `rank` grows by `mb_per_step` from `start` (a list that keeps tensors)."""
+    """Allocated memory on `rank` grows by `mb_per_step` from `start` (a list that keeps tensors).
+    `rank` None: the training code itself leaks, on every rank (within a few percent): one run-level
+    label."""
 
     kind: ClassVar[str] = "memory_leak"
-    rank: int
+    rank: int | None
     start: int
     mb_per_step: float = 4.0
     duration: int | None = None
@@ -204,6 +210,19 @@ def node_name(node: int) -> str:
     return f"gpu-{node:03d}"
 
 
+PAUSE_KINDS = ("eval", "checkpoint")
+
+
+class Segment(NamedTuple):
+    """One agent session of every rank: steps first..last; `kill` is the resume that ends it (None:
+    the run ends or hangs)."""
+
+    first: int
+    last: int
+    incarnation: int
+    kill: Resume | None
+
+
 @dataclass(frozen=True)
 class Scenario:
     """One simulated synchronous data-parallel run (DDP: replica_group = rank, one shard).
@@ -211,6 +230,15 @@ class Scenario:
     Times are per step at the median rank; noise levels are multiplied by `noise`. Rates are per rank
     per step (`gc_rate`), per step (`global_blip_rate`, `grad_spike_rate`) or per rank per 10k steps
     (`plateaus_per_10k`). `eval_every`/`ckpt_every` = 0 disables those pauses.
+
+    The fields after `chunk_steps` are off (or the physics' constants) by default, so that scenarios
+    written before them produce the same batches: `benign` behaviours; `marked_pauses`, the pause
+    kinds the user wrapped in `watch.phase` (the others send no phase events); `agent_activity`,
+    heartbeats that carry `forwards`, `nograd_forwards` and `stack` (`grad_accum` forwards per step,
+    `eval_forwards_per_s` during evaluations, checkpoints saved by `ckpt_savers`, the user's code in
+    module `user_module`); `capacity_mb`, the device's memory, sent as `mem.capacity_mb` (None: not
+    reported); `base_alloc_mb`, `act_peak_mb`, `data_share`: the run's memory level, activation
+    memory and the data wait's share of the step (None: the physics' defaults).
     """
 
     name: str
@@ -242,10 +270,25 @@ class Scenario:
     heartbeat_interval_s: float = 5.0
     hang_observe_s: float = 120.0
     chunk_steps: int = 50
+    benign: tuple[Benign, ...] = ()
+    marked_pauses: tuple[str, ...] = PAUSE_KINDS
+    agent_activity: bool = False
+    grad_accum: int = 1
+    eval_forwards_per_s: float = 20.0
+    ckpt_savers: Literal["rank0", "all"] = "all"
+    user_module: str = "train"
+    capacity_mb: float | None = None
+    base_alloc_mb: float | None = None
+    act_peak_mb: float | None = None
+    data_share: float | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.steps < 1 or self.ranks_per_node < 1 or self.chunk_steps < 1:
             raise ValueError(f"{self.name}: world_size, steps, ranks_per_node and chunk_steps must be >= 1")
+        if self.grad_accum < 1 or not set(self.marked_pauses) <= set(PAUSE_KINDS):
+            raise ValueError(f"{self.name}: grad_accum must be >= 1, marked_pauses a subset of {PAUSE_KINDS}")
+        if self.data_share is not None and not 0.0 < self.data_share < 0.5:
+            raise ValueError(f"{self.name}: data_share must be in (0, 0.5)")
         hangs = [f for f in self.faults if isinstance(f, Hang)]
         if len(hangs) > 1:
             raise ValueError(f"{self.name}: at most one hang (a hung run makes no further progress)")
@@ -269,6 +312,53 @@ class Scenario:
                 raise ValueError(
                     f"{self.name}: {f.kind} at step {first} is after the hang at {hangs[0].step}"
                 )
+        self._check_benign()
+
+    def _check_benign(self) -> None:
+        """Benign behaviours inside the run, resumes that make sense, and no fault placed where a
+        benign behaviour would make its label ambiguous."""
+        from stepwatch_server.simulate.benign import window
+
+        for b in self.benign:
+            ranks = [*(getattr(b, "ranks", None) or ()), getattr(b, "rank", 0)]
+            if any(not 0 <= r < self.world_size for r in ranks):
+                raise ValueError(f"{self.name}: {b.kind} ranks {ranks} outside the run")
+            node = getattr(b, "node", 0)
+            if not 0 <= node < self.num_nodes:
+                raise ValueError(f"{self.name}: {b.kind} node {node} outside 0..{self.num_nodes - 1}")
+            first, _ = window(b, self)
+            if not 1 <= first <= self.steps:
+                raise ValueError(f"{self.name}: {b.kind} starts at step {first}, outside 1..{self.steps}")
+        resumes = self.resumes
+        prev: Resume | None = None
+        for r in resumes:
+            if not 1 <= r.checkpoint_step < r.step < self.last_step:
+                raise ValueError(
+                    f"{self.name}: a resume needs 1 <= checkpoint_step < step < the last step, got {r}"
+                )
+            if self.pause_after(r.checkpoint_step) != "checkpoint":
+                raise ValueError(
+                    f"{self.name}: resume from step {r.checkpoint_step}, which saved no checkpoint"
+                )
+            if r.gap_s <= 0:
+                raise ValueError(f"{self.name}: a resume's gap must be positive")
+            if prev is not None and not (prev.step < r.step and prev.checkpoint_step < r.checkpoint_step):
+                raise ValueError(f"{self.name}: resumes must follow each other ({prev}, {r})")
+            prev = r
+        for f in self.faults:
+            first = fault_first_step(f)
+            if resumes and first <= resumes[-1].step + 1:
+                raise ValueError(
+                    f"{self.name}: {f.kind} at step {first} is not after the last resume (killed after "
+                    f"step {resumes[-1].step}): which incarnation it belongs to would be ambiguous"
+                )
+            every = [e for e in (self.eval_every, self.ckpt_every) if e]
+            if isinstance(f, Hang) and any((f.step - 1) % e == 0 for e in every):
+                raise ValueError(f"{self.name}: a hang at step {f.step} would sit inside a pause")
+            if isinstance(f, LossSpike | Divergence):
+                for b in self.benign:
+                    if isinstance(b, LossBump) and b.step - 5 <= first <= b.step + b.steps + 5:
+                        raise ValueError(f"{self.name}: {f.kind} at step {first} inside a loss bump {b}")
 
     @property
     def run_name(self) -> str:
@@ -289,6 +379,28 @@ class Scenario:
     @property
     def hang(self) -> Hang | None:
         return next((f for f in self.faults if isinstance(f, Hang)), None)
+
+    @property
+    def resumes(self) -> tuple[Resume, ...]:
+        return tuple(sorted((b for b in self.benign if isinstance(b, Resume)), key=lambda r: r.step))
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        """The agent sessions the run goes through (one unless it is resumed)."""
+        out, first = [], 1
+        for i, r in enumerate(self.resumes):
+            out.append(Segment(first, r.step, i, r))
+            first = r.checkpoint_step + 1
+        out.append(Segment(first, self.last_step, len(out), None))
+        return tuple(out)
+
+    @property
+    def completed_steps(self) -> int:
+        """Steps completed, counting the steps a resume runs again once more each time."""
+        return sum(seg.last - seg.first + 1 for seg in self.segments)
+
+    def pause_marked(self, kind: str | None) -> bool:
+        return kind is not None and kind in self.marked_pauses
 
     def pause_after(self, step: int) -> str | None:
         """The known pause ("checkpoint" or "eval") that follows `step`, if any."""
@@ -332,7 +444,11 @@ class Scenario:
             "step_ms": self.step_ms,
             "eval_every": self.eval_every,
             "ckpt_every": self.ckpt_every,
+            "marked_pauses": list(self.marked_pauses),
+            "agent_activity": self.agent_activity,
+            "capacity_mb": self.capacity_mb,
             "faults": [{"kind": f.kind, **_fields(f)} for f in self.faults],
+            "benign": [{"kind": b.kind, **_fields(b)} for b in self.benign],
             "labels": [lab.as_dict() for lab in self.labels],
         }
 

@@ -18,7 +18,10 @@ second detection of the same label counts as a duplicate, not a false alarm). A 
 not match but would match, by rules 2-3, a label that lists its kind in `tolerated` (a 2x straggler
 really does slow the whole run) is ignored. Every other detection is a false positive.
 Precision per kind = TP / (TP + FP) over that kind's detections; recall = recalled / labels.
-False alarms per 10k steps = FP on clean scenarios x 10,000 / their completed steps.
+False alarms per 10k steps = FP on clean scenarios x 10,000 / their completed steps (the named suite's
+figure). The world's figure counts every false positive, in clean and faulty runs alike, against the
+*clean steps*: the steps every run completed (a step a resume runs again counts again) outside every
+label's window, widened by the slacks of rule 2 (an open-ended label to the end of the run).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class Detection:
     last_step: int | None = None
     detected_at_ts: float | None = None
     module: str | None = None
+    summary: str | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Detection:
@@ -62,7 +66,7 @@ class Detection:
             rank=None if d.get("rank") is None else int(d["rank"]), node=d.get("node"),
             last_step=None if d.get("last_step") is None else int(d["last_step"]),
             detected_at_ts=None if d.get("detected_at_ts") is None else float(d["detected_at_ts"]),
-            module=module,
+            module=module, summary=d.get("summary"),
         )  # fmt: skip
 
 
@@ -138,19 +142,55 @@ class Score:
     clean_steps: int = 0
     clean_false_alarms: int = 0
     false_alarms: list[str] = field(default_factory=list)  # "scenario: kind rank step"
+    steps_outside_labels: int = 0  # the world's clean steps (module docstring)
+    false_alarm_rows: list[dict[str, Any]] = field(default_factory=list)  # every false positive
+    miss_rows: list[dict[str, Any]] = field(default_factory=list)  # every missed label
 
     @property
     def false_alarms_per_10k_steps(self) -> float | None:
         """False alarms on clean scenarios per 10,000 completed steps (None without clean scenarios)."""
         return None if self.clean_steps == 0 else self.clean_false_alarms * 10_000 / self.clean_steps
 
+    def false_alarms_per_10k_clean_steps(self, kind: str | None = None) -> float | None:
+        """Every false positive (of `kind`, or of all kinds) per 10,000 steps outside every label's window."""
+        if self.steps_outside_labels == 0:
+            return None
+        fp = sum(ks.fp for k, ks in self.kinds.items() if kind is None or k == kind)
+        return fp * 10_000 / self.steps_outside_labels
+
+    def overall(self) -> KindScore:
+        """All kinds together, as one KindScore."""
+        out = KindScore()
+        for ks in self.kinds.values():
+            out.labels += ks.labels
+            out.recalled += ks.recalled
+            out.tp += ks.tp
+            out.fp += ks.fp
+            out.duplicates += ks.duplicates
+            out.tolerated += ks.tolerated
+            out.ttd_steps += ks.ttd_steps
+            out.ttd_s += ks.ttd_s
+            out.missed += ks.missed
+        return out
+
     def as_dict(self) -> dict[str, Any]:
         return {
-            "kinds": {k: v.as_dict() for k, v in self.kinds.items()},
+            "kinds": {
+                k: {
+                    **v.as_dict(),
+                    "false_alarms_per_10k_clean_steps": self.false_alarms_per_10k_clean_steps(k),
+                }
+                for k, v in self.kinds.items()
+            },
+            "overall": {**self.overall().as_dict(), "missed": None},
             "clean_steps": self.clean_steps,
             "clean_false_alarms": self.clean_false_alarms,
             "false_alarms_per_10k_steps": self.false_alarms_per_10k_steps,
             "false_alarms": list(self.false_alarms),
+            "steps_outside_labels": self.steps_outside_labels,
+            "false_alarms_per_10k_clean_steps": self.false_alarms_per_10k_clean_steps(),
+            "false_alarm_rows": list(self.false_alarm_rows),
+            "miss_rows": list(self.miss_rows),
         }
 
     def table(self) -> str:
@@ -175,6 +215,27 @@ def _kind(score: Score, kind: str) -> KindScore:
     return score.kinds.setdefault(kind, KindScore())
 
 
+def steps_outside(labels: Sequence[Label], segments: Sequence[tuple[int, int]]) -> int:
+    """Steps of `segments` ([first, last] ranges a run completed) outside every label's widened window."""
+    total = 0
+    for first, last in segments:
+        inside = 0
+        cover: list[tuple[int, int]] = []
+        for lab in labels:
+            lo = max(first, lab.first_step - EARLY_SLACK_STEPS)
+            hi = last if lab.last_step is None else min(last, lab.last_step + LATE_SLACK_STEPS)
+            if lo <= hi:
+                cover.append((lo, hi))
+        end = first - 1
+        for lo, hi in sorted(cover):
+            lo = max(lo, end + 1)
+            if hi >= lo:
+                inside += hi - lo + 1
+                end = hi
+        total += last - first + 1 - inside
+    return total
+
+
 def score_scenario(
     score: Score,
     name: str,
@@ -182,16 +243,24 @@ def score_scenario(
     detections: Iterable[Detection | Mapping[str, Any]],
     *,
     steps: int,
+    segments: Sequence[tuple[int, int]] | None = None,
 ) -> Score:
-    """Add one scenario's outcome to `score` (returned for chaining). `steps`: steps it completed."""
+    """Add one scenario's outcome to `score` (returned for chaining). `steps`: steps it completed;
+    `segments`: the [first, last] step ranges of its sessions, when a resume repeated some (default
+    [(1, steps)])."""
     dets = [d if isinstance(d, Detection) else Detection.from_dict(d) for d in detections]
     matched_labels: set[int] = set()
+    score.steps_outside_labels += steps_outside(labels, segments or [(1, steps)])
     for lab_i, lab in enumerate(labels):
         ks = _kind(score, lab.kind)
         ks.labels += 1
         hits = [d for d in dets if matches(d, lab)]
         if not hits:
             ks.missed.append(f"{name}: {lab.kind} rank={lab.rank} node={lab.node} step={lab.first_step}")
+            score.miss_rows.append(
+                {"scenario": name, "kind": lab.kind, "rank": lab.rank, "node": lab.node,
+                 "first_step": lab.first_step, "last_step": lab.last_step, "details": dict(lab.details)}
+            )  # fmt: skip
             continue
         matched_labels.add(lab_i)
         ks.recalled += 1
@@ -217,6 +286,11 @@ def score_scenario(
         else:
             ks.fp += 1
             score.false_alarms.append(f"{name}: {d.kind} rank={d.rank} node={d.node} step={d.first_step}")
+            score.false_alarm_rows.append(
+                {"scenario": name, "kind": d.kind, "rank": d.rank, "node": d.node, "first_step": d.first_step,
+                 "detected_step": d.detected_at_step, "last_step": d.last_step, "summary": d.summary,
+                 "clean_run": not labels}
+            )  # fmt: skip
             if not labels:
                 score.clean_false_alarms += 1
     if not labels:
