@@ -95,7 +95,7 @@ def test_context_keeps_counters_at_the_last_step_and_follows_sessions() -> None:
 def test_a_together_warning_resolves_once_the_stall_is_recognised_as_an_eval() -> None:
     run = HandRun()
     run.train(1, 100)
-    run.wait(40.0, activity=False)  # the heartbeats say nothing yet
+    run.wait(620.0, activity=False)  # the heartbeats say nothing yet (10 min: together_idle_s)
     (hang,) = run.hangs()
     assert hang.evidence["mode"] == "together" and hang.status == "open"
     run.wait(30.0, nograd_per_beat=10, stack=EVAL_STACK)

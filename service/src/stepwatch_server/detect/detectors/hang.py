@@ -94,6 +94,11 @@ class HangSettings(DetectorSettings):
     critical_factor: float = 3.0  # stall >= this x threshold: critical (never for mode "together")
     max_culprit_fraction: float = 0.5  # more culprits than this share: blame nobody
     busy_recent_s: float = 15.0  # no-grad forwards advanced, or a save call seen, this recently: busy
+    # Every rank stalled together BETWEEN steps (phase data, nobody in a collective), with nothing that
+    # says why (an agent that does not report its activity): an unmarked eval or checkpoint is by far the
+    # likeliest cause, and they rarely last longer than this. Inside a step (all in backward) the
+    # threshold is the usual one.
+    together_idle_s: float = 600.0
     silent_after_s: float = 300.0  # wall-clock seconds with no batch at all: the run went silent
 
 
@@ -179,6 +184,8 @@ class HangDetector(Detector):
         if existing is not None and event_now - self._last_update_ts < UPDATE_EVERY_S:
             return
         look = self.look(event_now)
+        if look.together and stalled_s < self.s.together_idle_s and self._between_steps(look):
+            return
         busy = None if look.reason == "dead" else self._busy(look)
         pause_s: float | None = None
         if busy is not None:
@@ -195,6 +202,12 @@ class HangDetector(Detector):
                 return
         self._last_update_ts = event_now
         self._raise(event_now, stalled_s, threshold_s, look, busy, pause_s)
+
+    def _between_steps(self, look: Look) -> bool:
+        """Every alive rank is between two steps (phase `data`, or none reported) and none waits in a
+        collective: nobody is inside a step's collectives waiting for somebody."""
+        phases = {self.ctx.heartbeat_phase[r] for r in np.flatnonzero(look.alive).tolist()}
+        return phases <= {"data", None} and not bool((look.activity[look.alive] == activity.COLLECTIVE).any())
 
     def look(self, event_now: float) -> Look:
         """Blame (dead, behind, odd phase, outside the collective) and every rank's activity."""

@@ -74,13 +74,14 @@ MAX_LISTED = 16  # ranks listed in a run-level anomaly's evidence
 @dataclass(frozen=True)
 class MemoryLeakSettings(DetectorSettings):
     block_steps: int = 10  # steps averaged into one block mean
-    windows_blocks: tuple[int, ...] = (8, 16, 32, 64)  # block means judged: ~70, 150, 310, 630 steps
+    windows_blocks: tuple[int, ...] = (8, 16, 32, 64, 128)  # block means judged: ~70 .. 1,270 steps
     sub_windows: int = 4  # consecutive parts that must all grow
     min_mb_per_step: float = 0.1  # smallest growth per step a part may show
     part_z: float = 3.0  # each part's median growth >= this many standard errors
     keep_ratio: float = 0.5  # the last part grows at least this share as fast as the first
     net_fraction: float = 0.5  # the window's net rise >= this share of slope x span
-    horizon_s: float = 12 * 3600.0  # out-of-memory projected within this (longest window): a leak
+    horizon_s: float = 12 * 3600.0  # out-of-memory projected within this: a leak
+    min_growth_mb: float = 256.0  # a window's own rise must be this much: drifts and steps stay below
     growth_share: float = 1.0  # no capacity known: projected growth >= this share of current memory
     run_fraction: float = 0.5  # this share of the reporting ranks leaking: one run-level anomaly
     max_rank_anomalies: int = 8  # more leaking ranks than this: one run-level anomaly
@@ -124,7 +125,10 @@ class MemoryLeakDetector(Detector):
         # Per rank, a ring of the block means it reported, the mean step of their samples and event times.
         self._means = np.full((self._h, w), np.nan)
         self._pos = np.zeros((self._h, w))
-        self._ts = np.full((self._h, w), np.nan)
+        # The run's pace: the step and event time at which each of the last blocks closed.
+        self._pace_steps = np.full(self._h, np.nan)
+        self._pace_ts = np.full(self._h, np.nan)
+        self._closed = 0
         self._filled = np.zeros(w, dtype=np.int64)
         self._metric: str | None = None
         self._peak = np.full(w, np.nan)
@@ -167,11 +171,13 @@ class MemoryLeakDetector(Detector):
             rows = self._filled[has] % self._h
             self._means[rows, has] = self._sum[has] / self._n[has]
             self._pos[rows, has] = self._step_sum[has] / self._n[has]
-            self._ts[rows, has] = self._block_ts
             self._filled[has] += 1
         self._sum[:] = 0.0
         self._step_sum[:] = 0.0
         self._n[:] = 0.0
+        self._pace_steps[self._closed % self._h] = frame.step
+        self._pace_ts[self._closed % self._h] = frame.ts
+        self._closed += 1
         if has.size and (self._filled[has] >= min(self.s.windows_blocks)).any():
             self._judge(frame)
 
@@ -182,7 +188,6 @@ class MemoryLeakDetector(Detector):
         full = self._filled >= n
         means = np.take_along_axis(self._means, idx, axis=0)
         pos = np.take_along_axis(self._pos, idx, axis=0)
-        ts = np.take_along_axis(self._ts, idx, axis=0)
         gaps = np.maximum(np.diff(pos, axis=0), 1.0)
         # Ranks without n block means yet get zeros (judged not leaking below), so no NaN reaches a median.
         growth = np.where(full, np.diff(np.nan_to_num(means), axis=0) / gaps, 0.0)  # MB/step, (n - 1, R)
@@ -207,6 +212,7 @@ class MemoryLeakDetector(Detector):
             sustained = np.all(parts >= bar, axis=0)
             kept = (last >= s.keep_ratio * first) & (net >= s.net_fraction * slope * span)
             kept &= means[-1] - high >= s.net_fraction * slope * span
+            kept &= net >= s.min_growth_mb
             # Growth still to come: the parts' slowdown, if any, read as an exponential approach
             # (rate per step between the first and the last part's centres), whose total is finite.
             dist = np.maximum(span * (s.sub_windows - 1) / s.sub_windows, 1.0)
@@ -222,10 +228,13 @@ class MemoryLeakDetector(Detector):
                 np.where(rate > 0, np.where(frac < 1, -np.log1p(-frac) / np.where(rate > 0, rate, 1), np.inf),
                          free / last),
             )  # fmt: skip
-            own_step_s = (ts[-1] - ts[0]) / span
-        step_s_r = np.where(np.isfinite(step_s), step_s, own_step_s)
-        longest = (max(s.windows_blocks) - 1) * s.block_steps
-        horizon = s.horizon_s * np.minimum(1.0, span / longest)
+        if not np.isfinite(step_s):  # no step times reported: the event-time pace of the last n blocks
+            k = min(n, self._closed)
+            a, b = (self._closed - k) % h, (self._closed - 1) % h
+            gap = self._pace_steps[b] - self._pace_steps[a]
+            step_s = (self._pace_ts[b] - self._pace_ts[a]) / gap if gap > 0 else float("nan")
+        step_s_r = np.full(span.shape, step_s)
+        horizon = np.full(span.shape, s.horizon_s)
         seconds = steps_to_oom * step_s_r
         with np.errstate(all="ignore"):
             horizon_steps = horizon / step_s_r
