@@ -164,7 +164,6 @@ class RankSlowness:
         # How far a rank's own normal may sit from its peers', per phase: GPUs differ by a few percent,
         # data work by design (see learn_steps).
         self._cap = np.array([math.log(s.max_normal_data_ratio), math.log(s.min_ratio)])[:, None]
-        self._learnt = np.zeros(R)  # judged steps each rank's data offset was learnt over
         self.z = np.zeros((P, R))  # robust z of mean - base across ranks
         self.slow_now = np.zeros(R, dtype=bool)
         self.phase = np.zeros(R, dtype=np.int64)  # the phase that makes the rank slow (largest excess)
@@ -288,11 +287,13 @@ class RankSlowness:
         if learning:
             # A rank's own data work is learnt as its normal over the first judged steps (local rank 0
             # often decodes or logs for its node), unless it is slower than any normal can be.
-            too_slow = self._median_log(0) > math.log(s.max_normal_data_ratio)
+            # The window's median of the unclipped ratio is the offset (the clipped mean would be bounded
+            # by the clip around a normal not yet learnt).
+            own = self._median_log(0)
+            too_slow = own > math.log(s.max_normal_data_ratio)
             hot[0] &= too_slow
-            learn0 = np.isfinite(mean[0]) & ~too_slow
-            self._learnt[learn0] += 1
-            self.base[0, learn0] += (mean[0, learn0] - self.base[0, learn0]) / self._learnt[learn0]
+            learn0 = np.isfinite(mean[0]) & np.isfinite(own) & ~too_slow
+            self.base[0, learn0] = own[learn0]
         # Forward holds a wait (DDP's buffer broadcast, FSDP's all-gathers) when a rank slow in data
         # is FASTER than its peers in forward: it is the one they wait for there, so their long
         # forwards are theirs to wait, not to blame.
