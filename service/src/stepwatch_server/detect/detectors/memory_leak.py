@@ -81,8 +81,11 @@ class MemoryLeakSettings(DetectorSettings):
     keep_ratio: float = 0.5  # the last part grows at least this share as fast as the first
     net_fraction: float = 0.5  # the window's net rise >= this share of slope x span
     horizon_s: float = 12 * 3600.0  # out-of-memory projected within this: a leak
-    min_growth_mb: float = 256.0  # a window's own rise must be this much: drifts and steps stay below
+    min_growth_mb: float = 512.0  # a window's own rise must be this much: drifts and steps stay below
+    growth_ref_steps: int = 300  # ... and a shorter window proportionally more (a 70-step one ~2.2 GB)
+    warmup_steps: int = 50  # first steps of a run or a restart: optimizer state and buffers appear
     growth_share: float = 1.0  # no capacity known: projected growth >= this share of current memory
+    grown_share: float = 0.05  # or the window's own rise >= this share of what the rank held
     run_fraction: float = 0.5  # this share of the reporting ranks leaking: one run-level anomaly
     max_rank_anomalies: int = 8  # more leaking ranks than this: one run-level anomaly
     outlier_factor: float = 2.0  # under a run-level leak, a rank this much faster gets its own
@@ -131,6 +134,7 @@ class MemoryLeakDetector(Detector):
         self._closed = 0
         self._filled = np.zeros(w, dtype=np.int64)
         self._metric: str | None = None
+        self._first_step: int | None = None  # of the run, or of the restart
         self._peak = np.full(w, np.nan)
         self._capacity = np.full(w, np.nan)
 
@@ -145,7 +149,12 @@ class MemoryLeakDetector(Detector):
         block = frame.step // self.s.block_steps
         if self._block is not None and block < self._block:  # a resumed run went back: start again
             self._restart()
-        elif self._block is not None and block != self._block:
+            self._block = None
+        if self._first_step is None:
+            self._first_step = frame.step
+        if frame.step < self._first_step + self.s.warmup_steps:
+            return
+        if self._block is not None and block != self._block:
             self._close_block(frame)
         self._block, self._block_ts = block, frame.ts
         ok = np.isfinite(values)
@@ -158,6 +167,7 @@ class MemoryLeakDetector(Detector):
                 np.copyto(store, col, where=np.isfinite(col))
 
     def _restart(self) -> None:
+        self._first_step = None
         self._sum[:] = 0.0
         self._step_sum[:] = 0.0
         self._n[:] = 0.0
@@ -188,16 +198,24 @@ class MemoryLeakDetector(Detector):
         full = self._filled >= n
         means = np.take_along_axis(self._means, idx, axis=0)
         pos = np.take_along_axis(self._pos, idx, axis=0)
-        gaps = np.maximum(np.diff(pos, axis=0), 1.0)
-        # Ranks without n block means yet get zeros (judged not leaking below), so no NaN reaches a median.
-        growth = np.where(full, np.diff(np.nan_to_num(means), axis=0) / gaps, 0.0)  # MB/step, (n - 1, R)
-        parts = np.stack([np.median(p, axis=0) for p in np.array_split(growth, s.sub_windows)])
-        slope = np.median(growth, axis=0)
-        noise = MAD_TO_SD * np.median(np.abs(growth - slope), axis=0)
-        per_part = max(1, (n - 1) // s.sub_windows)
-        bar = np.maximum(s.min_mb_per_step, s.part_z * MEDIAN_SE * noise / math.sqrt(per_part))
+        means = np.where(full, np.nan_to_num(means), 0.0)  # ranks without n block means: judged not leaking
+        # Each part's net rise per step, between the block means at its ends (parts share their ends): a
+        # leak rises in every part; a step-up rises in one, a sawtooth that drops back in none.
+        ends = np.linspace(0, n - 1, s.sub_windows + 1).round().astype(np.int64)
+        part_steps = np.maximum(np.diff(pos[ends], axis=0), 1.0)  # (sub_windows, R)
+        parts = np.diff(means[ends], axis=0) / part_steps
         span = pos[-1] - pos[0]
         net = means[-1] - means[0]
+        slope = net / np.maximum(span, 1.0)  # the window's pace
+        # The block means' own noise, from the spread of consecutive differences, sets each part's bar.
+        diffs = np.diff(means, axis=0)
+        noise = MAD_TO_SD * np.median(np.abs(diffs - np.median(diffs, axis=0)), axis=0)
+        bar = np.maximum(s.min_mb_per_step, s.part_z * noise / part_steps)
+        # ... and each part's typical step-to-step growth (the median of its block differences): a leak
+        # grows continuously; step-ups that pile up (allocator fragmentation) rise in jumps between
+        # flat blocks, so their median is ~0 however much they add.
+        growth = diffs / np.maximum(np.diff(pos, axis=0), 1.0)
+        typical = np.stack([np.median(g, axis=0) for g in np.array_split(growth, s.sub_windows)])
         first, last = parts[0], parts[-1]
         # Above everything the rank held before the window (a sawtooth climbs back to its old peak; a
         # leak leaves it behind), by the rise the window itself demands.
@@ -209,15 +227,20 @@ class MemoryLeakDetector(Detector):
             have = k >= h - self._filled[None, :]
             high = np.where(have, np.take_along_axis(self._means, oidx, axis=0), -np.inf).max(axis=0)
         with np.errstate(all="ignore"):
-            sustained = np.all(parts >= bar, axis=0)
-            kept = (last >= s.keep_ratio * first) & (net >= s.net_fraction * slope * span)
-            kept &= means[-1] - high >= s.net_fraction * slope * span
-            kept &= net >= s.min_growth_mb
+            sustained = np.all(parts >= bar, axis=0) & np.all(typical >= s.min_mb_per_step, axis=0)
+            sustained &= np.all(typical >= s.keep_ratio * slope, axis=0)
+            # Steady: no part rises 4x faster than another (an allocator step-up inside one part does).
+            sustained &= parts.min(axis=0) >= (s.keep_ratio / 2) * parts.max(axis=0)
+            kept = (last >= s.keep_ratio * first) & (means[-1] - high >= s.net_fraction * net)
+            # ... and above its own earlier peaks inside the window by half what its last part adds.
+            head = int(ends[-2])
+            kept &= means[-1] - means[: head + 1].max(axis=0) >= s.net_fraction * (means[-1] - means[head])
+            kept &= net >= s.min_growth_mb * np.maximum(1.0, s.growth_ref_steps / np.maximum(span, 1.0))
             # Growth still to come: the parts' slowdown, if any, read as an exponential approach
             # (rate per step between the first and the last part's centres), whose total is finite.
             dist = np.maximum(span * (s.sub_windows - 1) / s.sub_windows, 1.0)
             # Only a slowdown the noise cannot explain (2 standard errors of the difference of two parts).
-            slower = first - last > 2.0 * math.sqrt(2.0) * MEDIAN_SE * noise / math.sqrt(per_part)
+            slower = first - last > 2.0 * math.sqrt(2.0) * noise / np.maximum(part_steps[0], 1.0)
             rate = np.where((last > 0) & slower, np.log(first / last) / dist, 0.0)
             projected = np.where(rate > 0, last / rate, np.inf)
             current = np.where(np.isfinite(self._peak), self._peak, means[-1])
@@ -242,7 +265,11 @@ class MemoryLeakDetector(Detector):
             threat = np.where(
                 np.isfinite(self._capacity), seconds <= horizon, grown >= s.growth_share * current
             )
+            # Or it already grew by a share of what the rank holds, still at its pace: a leak whatever
+            # the capacity (a rank far from full that keeps growing is still a bug).
+            threat |= net >= s.grown_share * np.maximum(means[0], 0.0)
             half = np.all(parts >= bar / 2, axis=0) & (last >= s.keep_ratio / 2 * first)
+            half &= np.all(typical >= s.min_mb_per_step / 2, axis=0)
         return _Window(
             leaking=full & sustained & kept & threat,
             growing=full & half,
@@ -269,7 +296,7 @@ class MemoryLeakDetector(Detector):
         for i, w in enumerate(windows):
             chosen[w.leaking] = i
             leaking |= w.leaking
-        growing = windows[min(1, len(windows) - 1)].growing | windows[0].growing | leaking
+        growing = np.logical_or.reduce([w.growing for w in windows]) | leaking
         reporting = int((self._filled >= min(s.windows_blocks)).sum())
         n_leak = int(leaking.sum())
         run_level = n_leak >= 2 and (n_leak >= s.run_fraction * reporting or n_leak > s.max_rank_anomalies)
