@@ -252,8 +252,8 @@ class MemoryLeakDetector(Detector):
                          free / last),
             )  # fmt: skip
         if not np.isfinite(step_s):  # no step times reported: the event-time pace of the last n blocks
-            k = min(n, self._closed)
-            a, b = (self._closed - k) % h, (self._closed - 1) % h
+            back = min(n, self._closed)
+            a, b = (self._closed - back) % h, (self._closed - 1) % h
             gap = self._pace_steps[b] - self._pace_steps[a]
             step_s = (self._pace_ts[b] - self._pace_ts[a]) / gap if gap > 0 else float("nan")
         step_s_r = np.full(span.shape, step_s)
