@@ -197,6 +197,19 @@ def test_every_rank_stalled_together_is_one_warning_never_critical_resolved_by_t
     assert hang.detected_ts - stalled_at < 40.0  # the usual 25 s threshold, not 10 minutes
 
 
+def test_a_rank_ahead_of_the_others_is_not_their_culprit() -> None:
+    """An unmarked pause of an agent that reports no activity: the ranks sit between steps (phase data),
+    and one that finished it first has gone on into forward, where it waits for them. Being ahead
+    blames nobody: it is the whole run paused together (nothing for 10 minutes, then a warning)."""
+    run = HandRun()
+    run.train(1, 100)
+    run.wait(300.0, phase={2: "forward"}, activity=False)
+    assert run.hangs() == [], _summaries(run)
+    run.wait(320.0, phase={2: "forward"}, activity=False)
+    (hang,) = run.hangs()
+    assert hang.rank is None and hang.evidence["mode"] == "together" and hang.severity == "warning"
+
+
 def test_a_stuck_culprit_is_still_blamed_and_a_dead_one_even_while_others_evaluate() -> None:
     run = HandRun()
     run.train(1, 100)

@@ -77,6 +77,7 @@ from stepwatch_server.detect.base import Detector, DetectorSettings
 from stepwatch_server.detect.context import RunContext
 
 KIND = "hang"
+STEP_ORDER = {"data": 0, "forward": 1, "backward": 2, "optimizer": 3}  # a step's phases, in order
 RUN_KEY = "run"
 SILENT_KEY = "silent"
 MAX_LISTED = 16  # culprit ranks listed in evidence
@@ -112,7 +113,7 @@ class Look:
     dead: np.ndarray  # per rank
     alive: np.ndarray  # seen and not dead
     activity: np.ndarray  # per rank: activity.EVAL, CHECKPOINT, COLLECTIVE or NONE
-    together: bool  # no culprit, none dead, one last step and one phase for every rank
+    together: bool  # no culprit, none dead, one last step for every rank
 
 
 class HangDetector(Detector):
@@ -206,8 +207,9 @@ class HangDetector(Detector):
     def _between_steps(self, look: Look) -> bool:
         """Every alive rank is between two steps (phase `data`, or none reported) and none waits in a
         collective: nobody is inside a step's collectives waiting for somebody."""
-        phases = {self.ctx.heartbeat_phase[r] for r in np.flatnonzero(look.alive).tolist()}
-        return phases <= {"data", None} and not bool((look.activity[look.alive] == activity.COLLECTIVE).any())
+        return look.majority_phase in ("data", None) and not bool(
+            (look.activity[look.alive] == activity.COLLECTIVE).any()
+        )
 
     def look(self, event_now: float) -> Look:
         """Blame (dead, behind, odd phase, outside the collective) and every rank's activity."""
@@ -223,7 +225,17 @@ class HangDetector(Detector):
         phases = [ctx.heartbeat_phase[r] if seen[r] else None for r in range(ctx.world_size)]
         counts = Counter(p for p in phases if p is not None)
         majority = counts.most_common(1)[0][0] if counts else None
-        odd = np.array([p is not None and p != majority for p in phases], dtype=bool)
+        # A rank in another phase than the majority is behind them, unless its phase comes LATER in the
+        # step (it went on into forward or backward and waits there for the others, who are still
+        # between steps): being ahead blames nobody.
+        at = STEP_ORDER.get(majority, -1) if majority is not None else -1
+        odd = np.array(
+            [
+                p is not None and p != majority and not (at >= 0 and STEP_ORDER.get(p, -1) > at)
+                for p in phases
+            ],
+            dtype=bool,
+        )
         doing = activity.rank_activity(
             ctx.nograd_forwards,
             ctx.nograd_at_step,
@@ -240,8 +252,7 @@ class HangDetector(Detector):
             n = int(mask.sum())
             if 0 < n <= limit:
                 return Look(np.flatnonzero(mask), reason, majority, dead, alive, doing, False)
-        one_phase = len({phases[r] for r in np.flatnonzero(seen)}) == 1
-        together = not dead.any() and bool((progress[seen] == progress[seen].max()).all()) and one_phase
+        together = not dead.any() and bool((progress[seen] == progress[seen].max()).all())
         return Look(np.zeros(0, dtype=np.int64), "none", majority, dead, alive, doing, together)
 
     def _busy(self, look: Look) -> np.ndarray | None:

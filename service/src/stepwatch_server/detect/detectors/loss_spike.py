@@ -147,7 +147,7 @@ class LossSpikeSettings(DetectorSettings):
     window_frames: int = 100  # baseline length: enough for a stable median, short next to the schedule
     warmup_frames: int = 100  # steps with a loss before anything is judged
     min_rel_jump: float = 0.15  # loss >= 1.15x the baseline, with a grad-norm spike to corroborate it
-    min_rel_jump_alone: float = 0.2  # ... and >= 1.2x without one: smaller bumps are the data's
+    min_rel_jump_alone: float = 0.25  # ... and >= 1.25x without one: bumps up to ~1.2x are the data's
     min_z: float = 10.0  # and >= 10 robust SDs above it (real micro-batch losses are heavy-tailed)
     sudden_frames: int = 5  # the jump is also measured against the median of these last steps
     sudden_fraction: float = 0.5  # ... and at least this share of it must be sudden
