@@ -63,6 +63,7 @@ MEMORY_MARGIN_MB = 5_000.0  # what is left free on a device (beyond fragmentatio
 FRAGMENTATION_MB = 2_400.0  # the most the simulated caching allocator reserves beyond the peak
 MIN_BASE_MB = 4_000.0  # parameters, gradients and optimizer state of the smallest model
 STALL_MAX_S = 20.0
+HANG_DEADLINE_S = 30.0  # the project's hang deadline is max(30 s, 5 steps)
 USER_MODULES = ("train", "pretrain", "finetune", "trainer.loop", "main")
 
 
@@ -219,9 +220,11 @@ def _benign(rng: np.random.Generator, scn: Scenario, want_drift: bool) -> list[B
     if rng.random() < 0.5:
         for _ in range(int(rng.integers(1, 6))):
             n = int(rng.integers(1, 11))
-            # A rank stopped for longer than a hang's deadline (max(30 s, 5 steps)) would be a hang:
-            # a benign stall waits at most STALL_MAX_S per step.
-            times = min(float(rng.uniform(0.5, 10.0)), STALL_MAX_S * 1000.0 / scn.step_ms)
+            # A rank stopped for longer than a hang's deadline (max(30 s, 5 steps)) would be a hang: a
+            # benign stall, with its step and a GC pause (3 steps), stays under it, and under 20 s.
+            deadline_ms = max(HANG_DEADLINE_S * 1000.0, 5 * scn.step_ms)
+            most_ms = min(STALL_MAX_S * 1000.0, deadline_ms - 3 * scn.step_ms)
+            times = min(float(rng.uniform(0.5, 10.0)), most_ms / scn.step_ms)
             out.append(
                 DataStall(int(rng.integers(0, ws)), int(rng.integers(20, steps - n)), n, round(times, 2))
             )
