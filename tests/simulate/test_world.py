@@ -10,7 +10,15 @@ from itertools import islice
 
 import pytest
 
-from stepwatch_server.simulate import KINDS, MemoryLeak, Scenario, Straggler, generate, world_faults
+from stepwatch_server.simulate import (
+    KINDS,
+    MemoryLeak,
+    Scenario,
+    Straggler,
+    generate,
+    world_benign,
+    world_faults,
+)
 from stepwatch_server.simulate import world as world_mod
 from stepwatch_server.simulate.benign import EFFECTS
 from stepwatch_server.simulate.world import DEV, HELDOUT, RunPlan, build, composition, plan, split
@@ -77,7 +85,7 @@ def test_the_same_seed_gives_the_same_trace() -> None:
 
 
 def test_the_generator_reads_no_detector_setting() -> None:
-    for mod in (world_mod, world_faults):
+    for mod in (world_mod, world_faults, world_benign):
         assert "stepwatch_server.detect" not in inspect.getsource(mod)
 
 

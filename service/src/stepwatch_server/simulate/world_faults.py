@@ -1,7 +1,7 @@
 """The faults of the world (`world.py`): one drawing function per variant, each with its parameter
 ranges, placed where its label is unambiguous.
 
-A variant is a kind and a flavour (`("memory_leak", "every-rank")`). Its `NEEDS` say what the run
+A variant is a kind and a flavour (`("memory_leak", "every-rank")`). `needs()` says what the run
 must look like for it (a hang is placed in a run whose pauses are not marked; a two-rank data
 straggler needs the sub-millisecond data wait of a prefetching loader). Hangs and divergences end a
 run's story, so a run has at most one of them and its other fault comes before it.
