@@ -123,3 +123,16 @@ def test_cli_lists_and_describes_world_runs(capsys: pytest.CaptureFixture[str]) 
     assert main(["describe", "dev-003"]) == 0
     described = json.loads(capsys.readouterr().out)
     assert described["name"] == "dev-003" and "benign" in described and "labels" in described
+
+
+def test_benign_loss_bumps_never_stack() -> None:
+    """Two bumps on the same steps multiply past the benign range (1.08 x 1.18 = 1.27x, which the
+    detectors may rightly call a spike): the world keeps them apart, in both splits."""
+    from stepwatch_server.simulate.benign import LossBump
+    from stepwatch_server.simulate.world import split
+
+    for name in ("dev", "heldout"):
+        for scn in split(name).values():
+            bumps = sorted((b for b in scn.benign if isinstance(b, LossBump)), key=lambda b: b.step)
+            for a, b in zip(bumps, bumps[1:], strict=False):
+                assert b.step > a.step + a.steps + 5, (scn.name, a, b)

@@ -92,11 +92,16 @@ def draw(rng: np.random.Generator, scn: Scenario, want_drift: bool) -> list[Beni
                 DataStall(int(rng.integers(0, ws)), int(rng.integers(20, steps - n)), n, round(times, 2))
             )
     if rng.random() < 0.5:
+        bumps: list[LossBump] = []
         for _ in range(int(rng.integers(1, 5))):
             n = int(rng.integers(1, 16))
-            out.append(
-                LossBump(int(rng.integers(20, steps - n)), n, round(float(rng.uniform(1.03, 1.18)), 4))
-            )
+            bump = LossBump(int(rng.integers(20, steps - n)), n, round(float(rng.uniform(1.03, 1.18)), 4))
+            # Two bumps on the same steps multiply (1.08 x 1.18 = 1.27x): past the benign range, so a
+            # bump that overlaps an earlier one (or follows it within 5 steps) is left out. The draws are
+            # made all the same, so the rest of the run does not change.
+            if all(bump.step > b.step + b.steps + 5 or bump.step + bump.steps + 5 < b.step for b in bumps):
+                bumps.append(bump)
+        out.extend(bumps)
     if rng.random() < 0.3:
         out.append(
             ExtraDataWork(round(float(rng.uniform(1.1, 1.6)), 3), "local0" if rng.random() < 0.6 else "rank0")
