@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-from itertools import islice
+from itertools import islice, pairwise
 
 import pytest
 
@@ -134,5 +134,5 @@ def test_benign_loss_bumps_never_stack() -> None:
     for name in ("dev", "heldout"):
         for scn in split(name).values():
             bumps = sorted((b for b in scn.benign if isinstance(b, LossBump)), key=lambda b: b.step)
-            for a, b in zip(bumps, bumps[1:], strict=False):
+            for a, b in pairwise(bumps):
                 assert b.step > a.step + a.steps + 5, (scn.name, a, b)
