@@ -337,11 +337,13 @@ class RankSlowness:
             return np.asarray(np.log(np.nanmedian(raw, axis=0)))
 
     def _persistent(self, hot: np.ndarray, lo: float) -> np.ndarray:
-        """Of the hot (phase, rank) pairs, those whose slowness holds for most of the window: the
-        median of the unclipped per-step ratio is slow too. A hiccup (a node's or a rank's data wait
-        several times longer for up to ~half the window) moves the clipped mean, not the median."""
-        out = np.zeros_like(hot)
-        for p in range(hot.shape[0]):
+        """Of the hot (phase, rank) pairs, those whose slowness holds for most of the window: in data,
+        the median of the unclipped per-step ratio is slow too. A hiccup (a node's or a rank's data wait
+        several times longer for up to ~half the window: a filesystem stall, a slow shard) moves the
+        clipped mean, not the median. Forward is left as it is: compute slows for good or for one step
+        (a GC pause, which the clip bounds), so a forward straggler is found as soon as the mean says so."""
+        out = hot.copy()  # forward: compute has no hiccups of many steps (a GC pause is one, clipped)
+        for p in (PHASES.index("data"),):
             ranks = np.flatnonzero(hot[p])
             if ranks.size:
                 base = np.clip(self.base[p, ranks], -self._cap[p, 0], self._cap[p, 0])
