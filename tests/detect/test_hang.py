@@ -8,7 +8,7 @@ import pytest
 from stepwatch_server.detect import Anomaly, DetectionEngine, EngineSettings
 from stepwatch_server.ingest.validate import parse_batch
 from stepwatch_server.simulate import Hang, Simulation
-from tests.detect.hand_batches import BARRIER_STACK, EVAL_STACK, SAVE_STACK, START_TS, HandRun
+from tests.detect.hand_batches import BARRIER_STACK, EVAL_STACK, SAVE_STACK, START_TS, TRAIN_STACK, HandRun
 from tests.detect.helpers import run_scenario, scenario
 
 KINDS = ("hang",)
@@ -109,6 +109,25 @@ def test_an_unmarked_eval_on_every_rank_is_not_a_hang() -> None:
     run = HandRun()
     run.train(1, 100)
     run.wait(120.0, nograd_per_beat=10, stack=EVAL_STACK)  # no_grad forwards of the watched model
+    run.train(101, 20)
+    assert run.anomalies == [], _summaries(run)
+
+
+def test_a_rank_whose_heartbeat_says_it_finished_a_step_after_the_eval_ends_the_stall() -> None:
+    """The rank that ends its eval first completes the next step; its heartbeat says so before the step's
+    record arrives (the agent sends records at its flush cadence), and its no-grad forwards stop. That is
+    progress, not a rank that stopped evaluating while the others are stuck (CI saw this as a hang)."""
+    run = HandRun()
+    run.train(1, 100)
+    run.wait(50.0, nograd_per_beat=10, stack=EVAL_STACK)
+    run.ranks[0].last_step, run.ranks[0].forwards = 101, run.ranks[0].forwards + 1
+    run.wait(
+        15.0,
+        phase={0: "forward"} | dict.fromkeys((1, 2, 3), "data"),
+        stack={0: TRAIN_STACK} | dict.fromkeys((1, 2, 3), EVAL_STACK),
+        nograd_per_beat=dict.fromkeys((1, 2, 3), 10),
+        every_s=1.0,
+    )
     run.train(101, 20)
     assert run.anomalies == [], _summaries(run)
 

@@ -27,7 +27,7 @@ class RunContext:
         self.last_step_ts = np.full(world_size, np.nan)  # its end timestamp (event time)
         self.heartbeat_ts = np.full(world_size, np.nan)  # event time of the latest heartbeat
         self.heartbeat_phase: list[str | None] = [None] * world_size
-        self.heartbeat_step = np.full(world_size, -1, dtype=np.int64)
+        self.heartbeat_step = np.full(world_size, -1, dtype=np.int64)  # its last completed step (or -1)
         self.paused: list[str | None] = [None] * world_size  # inside watch.phase(...) since phase_start
         self.n_paused = 0  # ranks with a phase in `paused` (checked per batch: no scan of the list)
         self.ended = np.zeros(world_size, dtype=bool)  # the rank's agent closed its session (session_end)
@@ -107,6 +107,7 @@ class RunContext:
         for counter in (self.forwards, self.nograd_forwards, self.forwards_at_step, self.nograd_at_step):
             counter[r] = -1  # the agent's counters start again with each session
         self.nograd_moved_ts[r] = self.checkpoint_seen_ts[r] = np.nan
+        self.heartbeat_step[r] = -1  # the old session's steps say nothing about the new one's progress
         self._counted_step[r] = -2
         self.stack[r], self.stack_activity[r] = (), 0
         return True
@@ -124,6 +125,14 @@ class RunContext:
             self.stack[r], self.stack_activity[r] = hb.stack, stack_activity(hb.stack)
         if self.stack_activity[r] == CHECKPOINT:
             self.checkpoint_seen_ts[r] = hb.ts
+
+    def completed(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per rank the last step it completed and when it was known: its latest step record, or its
+        heartbeat when that says a later step (the record is on its way: the agent sends records at its
+        flush cadence, heartbeats on their own), with the heartbeat's time."""
+        ahead = self.heartbeat_step > self.last_step
+        step = np.where(ahead, self.heartbeat_step, self.last_step)
+        return step, np.where(ahead, self.heartbeat_ts, self.last_step_ts)
 
     def finished(self) -> bool:
         """Every rank that reported anything has closed its session: the run ended on purpose."""

@@ -5,8 +5,9 @@ data loader, deadlocked, or dead leaves every other rank blocked in the all-redu
 "utilisation" doing nothing, until the NCCL watchdog kills the job (default 10-30 min) or forever.
 The sooner someone looks at the one rank that did not arrive, the less of the allocation is lost.
 
-Signal (event time only): the run's progress is the highest last completed step any rank reported
-(`ctx.last_step`). The stall is the event time (`ctx.event_now()`: heartbeats keep arriving from the
+Signal (event time only): the run's progress is the highest last completed step any rank reported,
+in a step record or in a heartbeat (`ctx.completed()`: a heartbeat can say a step completed before its
+record arrives, as at the end of a pause). The stall is the event time (`ctx.event_now()`: heartbeats keep arriving from the
 waiting ranks' sender threads, so event time moves on while the steps do not) since the latest of: that
 progress; the first message of a restarted agent session (`ctx.restart_ts`: a resumed run's ranks were
 silent before their new sessions, and that gap is not a stall); and the last time a pause was seen. A
@@ -143,10 +144,11 @@ class HangDetector(Detector):
         self._check_silent(wall_now)
         if not np.isfinite(event_now) or not ctx.seen.any():
             return
-        top = int(ctx.last_step.max())
+        completed, completed_ts = ctx.completed()
+        top = int(completed.max())
         if top != self._progress_step:  # any change is progress (a resumed run goes back)
             self._progress_step = top
-            ts = float(np.nanmax(ctx.last_step_ts)) if np.isfinite(ctx.last_step_ts).any() else event_now
+            ts = float(np.nanmax(completed_ts)) if np.isfinite(completed_ts).any() else event_now
             self._progress_ts = min(ts, event_now)
             self._busy_since_ts = float("nan")
             if ctx.book.is_open(KIND, RUN_KEY):
@@ -220,7 +222,7 @@ class HangDetector(Detector):
         lag = fresh - contact
         dead = seen & (np.nan_to_num(lag, nan=np.inf) > s.dead_after_s)
         alive = seen & ~dead
-        progress = np.maximum(ctx.last_step, ctx.heartbeat_step)
+        progress = ctx.completed()[0]
         behind = seen & (progress < progress[seen].max())
         phases = [ctx.heartbeat_phase[r] if seen[r] else None for r in range(ctx.world_size)]
         counts = Counter(p for p in phases if p is not None)
@@ -311,7 +313,7 @@ class HangDetector(Detector):
             stack = ctx.stack[rank]
             evidence.update(
                 culprit_phase=ctx.heartbeat_phase[rank],
-                culprit_last_step=int(max(ctx.last_step[rank], ctx.heartbeat_step[rank])),
+                culprit_last_step=int(ctx.completed()[0][rank]),
                 heartbeat_lag_s=_num(lag_s),
                 culprit_activity=activity.NAMES[int(look.activity[rank])],
                 culprit_stack=list(stack[:MAX_STACK_LISTED]),
