@@ -119,6 +119,19 @@ def test_small_runs_blame_the_rank_slower_before_the_collective() -> None:
     assert a.rank == 0 and a.evidence["phase"] == "forward" and a.detected_step <= 450
 
 
+def test_a_straggler_whose_peer_does_more_data_work_by_design_is_still_found() -> None:
+    """2 ranks; rank 0 does 1.6x the data work from the start (local rank 0 decoding for its node), so
+    rank 1's own normal is well below its peer's. From step 500 rank 1's loader is 8x slower: slower than
+    its peer in absolute terms too, and that is what the run waits for."""
+    sc = scenario(
+        "straggler_10pct_data_16", world_size=2, steps=800,
+        faults=(Straggler(0, 1, factor=1.6, phase="data"), Straggler(1, 500, factor=8.0, phase="data")),
+    )  # fmt: skip
+    _, anomalies = run_scenario(sc, kinds=KINDS)
+    a = _only(anomalies, "straggler")
+    assert a.rank == 1 and a.evidence["phase"] == "data" and 500 <= a.detected_step <= 560, a.detected_step
+
+
 def test_peers_waiting_in_forward_for_a_slow_loader_are_not_blamed() -> None:
     """Where forward holds a collective (DDP's buffer broadcast), the healthy rank of a 2-rank run waits
     there for the one whose loader is slow: its forward is long, but the slow rank is the other."""

@@ -8,7 +8,8 @@ phases it spends alone, before the collective: data wait (`time.data_ms`) and fo
 
 Per step and phase, each rank's time is divided by the median of its peers at the same step (the
 other ranks: with few ranks the rank itself must not pull the median). The log of that ratio, clipped
-to +-log(`clip_ratio`) so that one GC pause moves a window by little, goes into a ring of the last
+to +-log(`clip_ratio`) around the rank's own normal and its peers' level (whichever bound is wider) so
+that one GC pause moves a window by little, goes into a ring of the last
 `window_steps` judged steps; its window mean m is the rank's current slowness in that phase. Healthy
 GPUs and loaders differ by a few percent for good, so each rank also has a baseline b, a slow average
 of m learnt only while the rank looks normal (never during a slowdown) and counted only up to
@@ -227,10 +228,13 @@ class RankSlowness:
         slot = self._pushes % self.s.window_steps
         valid = np.isfinite(raw)
         # Clipped around the rank's own normal, so a rank whose normal is slower than its peers (more
-        # data work by design) still shows a slowdown on top of it.
+        # data work by design) still shows a slowdown on top of it; and around its peers' level (0),
+        # whichever bound is wider, so a rank whose normal is far FASTER (its peer does the extra work)
+        # can still be seen slower than its peers when it slows down.
         own = np.clip(self.base, -self._cap, self._cap)
+        x = np.log(np.where(valid, raw, 1.0))
         logs = np.where(
-            valid, own + np.clip(np.log(np.where(valid, raw, 1.0)) - own, -self._clip, self._clip), 0.0
+            valid, np.clip(x, np.minimum(own, 0.0) - self._clip, np.maximum(own, 0.0) + self._clip), 0.0
         )
         old = self._log[slot]
         self._sum -= old
