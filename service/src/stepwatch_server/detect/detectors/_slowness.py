@@ -36,6 +36,11 @@ reported once for the node rather than first one by one. `straggler` reports slo
 of a slow node (when `slow_node` runs), `slow_node` reports slow nodes: both read the one
 `RankSlowness` of the run (`shared_slowness`), which folds in each frame once.
 
+A node's data hiccup is not any rank's pace: at a step where a node of >= 3 ranks (at most half the
+run) waits `clip_ratio` x longer for data as a whole (its ranks' median ratio), its ranks' data values
+are left out of their windows, for up to `window_steps` judged steps in a row; a node slow for longer is
+slow for good, and its steps count again (so a node slow in data is found after ~`window_steps` steps).
+
 Steps inside a marked pause (`ctx.paused`, or a phase_start/phase_end event in the frame) and the
 `skip_after_pause_steps` after it are not judged (the pause sits in the next step's data time), nor
 are the first `warmup_steps` of a run (compilation, autotuning).
@@ -179,6 +184,8 @@ class RankSlowness:
         self.node_of = np.full(R, -1, dtype=np.int64)  # rank -> index into node_names, -1 unknown
         self.node_names: list[str] = []
         self.node_size = np.zeros(0, dtype=np.int64)
+        self._node_table = np.full((0, 1), -1, dtype=np.int64)  # node -> its ranks, -1 padded
+        self.node_hiccup = np.zeros(0, dtype=np.int64)  # judged steps in a row the node was slow in data
         self.node_run = np.zeros(0, dtype=np.int64)
         self.node_quiet = np.zeros(0, dtype=np.int64)
         self.node_slow = np.zeros(0, dtype=bool)
@@ -220,9 +227,33 @@ class RankSlowness:
                 if col is not None and np.isfinite(col).any() and step_ms > 0:
                     x = float(np.nanmedian(col)) / step_ms
                     self.share[p] = x if not np.isfinite(self.share[p]) else 0.95 * self.share[p] + 0.05 * x
+        data = PHASES.index("data")
+        raw[data, self._node_hiccup(raw[data])] = np.nan
         self._push(raw)
         self._verdicts(frame)
         return True
+
+    def _node_hiccup(self, ratio: np.ndarray) -> np.ndarray:
+        """Per rank: its node is in a data hiccup at this step, so the step says nothing about the rank's
+        own pace. A node is in one while, as a whole (the median of its ranks' ratios), it waits
+        `clip_ratio` x longer for data than the run, for at most `window_steps` judged steps in a row (its
+        disk, its page cache, a filesystem stall seen from one host), in a node of >= 3 ranks that is at
+        most half the run. A node slow for longer is slow for good: its steps count again (`slow_node`).
+        """
+        out = np.zeros(ratio.shape, dtype=bool)
+        table = self._node_table
+        if table.shape[1] < 3:
+            return out
+        vals = np.where(table >= 0, ratio[np.maximum(table, 0)], np.nan)
+        big = (self.node_size >= 3) & (2 * self.node_size <= self.ctx.world_size)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # a node with no data value at this step
+            slow = big & (np.nanmedian(vals, axis=1) >= self.s.clip_ratio)
+        self.node_hiccup = np.where(slow, self.node_hiccup + 1, 0)
+        hiccup = slow & (self.node_hiccup <= self.s.window_steps)
+        known = self.node_of >= 0
+        out[known] = hiccup[self.node_of[known]]
+        return out
 
     def _push(self, raw: np.ndarray) -> None:
         slot = self._pushes % self.s.window_steps
@@ -342,10 +373,11 @@ class RankSlowness:
 
     def _persistent(self, hot: np.ndarray, lo: float) -> np.ndarray:
         """Of the hot (phase, rank) pairs, those whose slowness holds for most of the window: in data,
-        the median of the unclipped per-step ratio is slow too. A hiccup (a node's or a rank's data wait
-        several times longer for up to ~half the window: a filesystem stall, a slow shard) moves the
-        clipped mean, not the median. Forward is left as it is: compute slows for good or for one step
-        (a GC pause, which the clip bounds), so a forward straggler is found as soon as the mean says so."""
+        the median of the unclipped per-step ratio is slow too. A rank's hiccup (its data wait several
+        times longer for up to a quarter of the window: a slow shard, a loader worker restarted) moves
+        the clipped mean, not the median (a node's hiccup is not in the window: `_node_hiccup`).
+        Forward is left as it is: compute slows for good or for one step (a GC pause, which the clip
+        bounds), so a forward straggler is found as soon as the mean says so."""
         out = hot.copy()  # forward: compute has no hiccups of many steps (a GC pause is one, clipped)
         for p in (PHASES.index("data"),):
             ranks = np.flatnonzero(hot[p])
@@ -393,6 +425,7 @@ class RankSlowness:
             return out
 
         self.node_run, self.node_quiet = carry(self.node_run, 0), carry(self.node_quiet, 0)
+        self.node_hiccup = carry(self.node_hiccup, 0)
         self.node_slow, self.node_slow_now = carry(self.node_slow, False), carry(self.node_slow_now, False)
         self.node_slow_count = carry(self.node_slow_count, 0)
         self.node_since, self.node_since_ts = carry(self.node_since, -1), carry(self.node_since_ts, np.nan)
@@ -403,6 +436,11 @@ class RankSlowness:
         self.node_of = np.array([index.get(n, -1) if n else -1 for n in self._node_names], dtype=np.int64)
         known = self.node_of >= 0
         self.node_size = np.bincount(self.node_of[known], minlength=len(names)).astype(np.int64)
+        table = np.full((len(names), max(1, int(self.node_size.max(initial=0)))), -1, dtype=np.int64)
+        for n in range(len(names)):
+            members = np.flatnonzero(self.node_of == n)
+            table[n, : members.size] = members
+        self._node_table = table
 
     # -- questions ---------------------------------------------------------------------------------
     def node_slow_of(self, rank: int) -> bool:
