@@ -92,10 +92,12 @@ class HandRun:
         activity: bool = True,
         every_s: float = 5.0,
         silent: tuple[int, ...] = (),
+        steps_per_beat: int = 0,
     ) -> None:
         """No step for `seconds`: each rank (but `silent` ones) sends a heartbeat every `every_s`, with its
         phase and stack, its no-grad forwards advanced by `nograd_per_beat`; `activity=False` leaves the
-        forward counts and the stack out (an older agent)."""
+        forward counts and the stack out (an older agent); `steps_per_beat` > 0: the ranks train again, each
+        heartbeat saying that many more steps completed (their records come later, with `train`)."""
         end = self.now + seconds
         while self.now + every_s <= end + 1e-9:
             self.now += every_s
@@ -103,8 +105,10 @@ class HandRun:
                 if rank in silent:
                     continue
                 add = nograd_per_beat if isinstance(nograd_per_beat, int) else nograd_per_beat.get(rank, 0)
-                r.forwards += add
+                r.forwards += add + steps_per_beat
                 r.nograd += add
+                if steps_per_beat:
+                    r.last_step = (r.last_step or 0) + steps_per_beat
                 p = phase if isinstance(phase, str) else phase.get(rank, "data")
                 s = stack if isinstance(stack, tuple) else stack.get(rank, TRAIN_STACK)
                 hb = self._heartbeat(r, self.now, p, s)

@@ -7,7 +7,7 @@ show no `hang`:
 - an unmarked checkpoint: rank 0 spends 40 s inside `torch.save` (its heartbeats' stack shows the save call)
   while the others wait for it in `dist.barrier()`.
 
-Both stalls are far beyond the hang threshold (25 s: the steps take ~20 ms), and before the agent reported
+Both stalls are far beyond the hang threshold (28 s: the steps take ~20 ms), and before the agent reported
 what the training thread does, both were hangs. A rank that stops stepping is still a hang blaming it
 (`test_detection_real.py`). Every detector runs with its defaults; each rank process exits by itself at a
 deadline and the test kills what is left.

@@ -50,9 +50,11 @@ contact is behind the newest event time), `culprit_activity`, `culprit_stack` (i
 `typical_step_ms`.
 
 Defaults: the issue asks for detection within max(30 s, 5x the median step time) of the last
-progress. Reports travel at the agent's flush/heartbeat cadence (2 s / 5 s), so the threshold sits
-below that deadline: `floor_s` 25 s and `step_factor` 4 leave 5 s (or one step time) for the report
-to arrive. 4x is still above the benign slow steps of a healthy run (GC and storage blips of 1.5-4
+progress, and one rank waiting that long for a slow shard read is not yet a hang: a stalled step of
+up to ~27 s (a data stall of the deadline less a few steps) must not be one. Event time moves with
+the waiting ranks' heartbeats (every 5 s each, staggered across ranks: ~1 s apart with 4 ranks), so
+`floor_s` 28 s is passed, and the report sent, by ~29-30 s; `step_factor` 4 leaves one step time below
+the 5x deadline. 4x is still above the benign slow steps of a healthy run (GC and storage blips of 1.5-4
 step times; larger one-off slow iterations, such as the 8x ones in the Megatron DeepSeek-V3 log,
 open a `together` warning that resolves on the next completed step). `dead_after_s` 15 s is three
 heartbeat intervals; `busy_recent_s` too: no-grad forwards that last advanced, or a save call last seen,
@@ -88,7 +90,7 @@ UPDATE_EVERY_S = 10.0  # event-time spacing of evidence updates while a hang sta
 
 @dataclass(frozen=True)
 class HangSettings(DetectorSettings):
-    floor_s: float = 25.0  # smallest stall that is a hang (event seconds since the last progress)
+    floor_s: float = 28.0  # smallest stall that is a hang (event seconds since the last progress)
     step_factor: float = 4.0  # ... or this many typical step times, whichever is longer
     startup_s: float = 300.0  # threshold before the run has a typical step time, and after a restart
     dead_after_s: float = 15.0  # a rank whose last contact lags the others' by this much is dead
