@@ -129,6 +129,26 @@ def test_every_rank_leaking_is_one_run_level_anomaly_beside_a_faster_one() -> No
     assert 1500 <= by_key["rank:9"].detected_step <= 1600
 
 
+def test_ranks_that_join_an_open_run_level_leak_one_by_one_raise_nothing_more() -> None:
+    """A leak in the training code seen by 64 ranks at slightly different paces and starts (1.5-3
+    MB/step for 800 steps, starting over 600 steps): the ranks cross the bar one by one. Once the run-level anomaly is
+    open, a rank that crosses later is part of it, not an anomaly of its own, whatever the count of
+    ranks leaking at that moment (before, each dip of the count below the run-level bar let the next
+    ranks open their own: 18 rank-level alarms beside the run-level one on a 512-rank run)."""
+    steps, ranks = 2200, 64
+    rng = np.random.default_rng(3)
+    alloc = _base(steps, ranks, level_mb=60_000.0)
+    t = np.arange(1, steps + 1, dtype=np.float64)[:, None]
+    start = 600 + rng.integers(0, 600, ranks)
+    alloc += rng.uniform(1.5, 3.0, ranks) * np.clip(t - start, 0, 800)
+    _, anomalies = _run(alloc)
+    run = [a for a in anomalies if a.key == "run"]
+    assert len(run) == 1, [a.summary for a in anomalies]
+    later = [a for a in anomalies if a.key != "run" and a.detected_step > run[0].detected_step]
+    assert later == [], [a.summary for a in later]
+    assert len(anomalies) <= 1 + 8  # at most max_rank_anomalies before the run-level one
+
+
 def test_a_slow_leak_is_judged_by_its_threat() -> None:
     """1 MB/step on a rank 10 GB below capacity runs out in ~3 h at 1 s a step: a leak. The same
     slope with 50 GB free (~14 h) is past the 12 h horizon: not yet."""

@@ -32,12 +32,13 @@ one needs the long one). The growth per step between consecutive block means is 
   Without a capacity, the projected growth within that horizon must reach `growth_share` of the
   current memory.
 An open anomaly stays open while the rank still grows (half the bars over the second-shortest
-window) and resolves when it stopped (or dropped back).
+window), a run-level one while any rank still grows, and resolves when it stopped (or dropped back).
 
 One anomaly per leaking rank; when at least `run_fraction` of the reporting ranks leak, or more than
 `max_rank_anomalies`, it is one run-level anomaly (key `run`, a leak in the training code itself),
 with rank-level ones only for ranks leaking `outlier_factor` x faster than the run's median leak
-(a second, different leak hides behind nothing).
+(a second, different leak hides behind nothing); while it is open, a rank that crosses the bar later
+is part of it whatever the count of ranks leaking at that moment.
 
 A run resumed from a checkpoint (steps go back) starts the history again.
 
@@ -125,6 +126,7 @@ class MemoryLeakDetector(Detector):
         self._n = np.zeros(w)
         self._block: int | None = None
         self._block_ts = float("nan")
+        self._run_median = float("inf")  # the open run-level leak's median pace (MB/step)
         # Per rank, a ring of the block means it reported, the mean step of their samples and event times.
         self._means = np.full((self._h, w), np.nan)
         self._pos = np.zeros((self._h, w))
@@ -301,22 +303,27 @@ class MemoryLeakDetector(Detector):
         n_leak = int(leaking.sum())
         run_level = n_leak >= 2 and (n_leak >= s.run_fraction * reporting or n_leak > s.max_rank_anomalies)
         rank_level = np.flatnonzero(leaking)
+        slopes = np.array([windows[chosen[r]].parts[-1, r] for r in rank_level])
         if run_level:
-            slopes = np.array([windows[chosen[r]].parts[-1, r] for r in rank_level])
-            median = float(np.median(slopes))
+            self._run_median = float(np.median(slopes))
             order = np.argsort(-slopes)
             worst = int(rank_level[order[0]])
             self._raise(
-                RUN_KEY, None, frame, windows[chosen[worst]], worst, ranks=rank_level, run_median=median
+                RUN_KEY, None, frame, windows[chosen[worst]], worst, ranks=rank_level,
+                run_median=self._run_median,
             )
-            fast = [int(rank_level[i]) for i in order if slopes[i] >= s.outlier_factor * median]
+        if run_level or ctx.book.is_open(KIND, RUN_KEY):
+            # Under an open run-level leak, a rank that crosses the bar later (whatever the count at that
+            # moment) is part of it; only one leaking much faster is a second leak of its own.
+            order = np.argsort(-slopes)
+            fast = [int(rank_level[i]) for i in order if slopes[i] >= s.outlier_factor * self._run_median]
             rank_level = np.array(fast[: s.max_rank_anomalies], dtype=np.int64)
         for r in rank_level.tolist():
             self._raise(f"rank:{r}", r, frame, windows[chosen[r]], r)
         book = ctx.book
         for a in book.open_of(KIND):
             if a.key == RUN_KEY:
-                still = int(growing.sum()) >= max(2, s.run_fraction * reporting / 2)
+                still = bool(growing.any())  # its last ranks still growing are part of it, not new leaks
             else:
                 still = a.rank is not None and bool(growing[a.rank])
             if not still:
