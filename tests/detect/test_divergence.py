@@ -8,6 +8,7 @@ import numpy as np
 from stepwatch_server.detect import StepFrame
 from stepwatch_server.detect.context import RunContext
 from stepwatch_server.detect.detectors.divergence import DivergenceDetector, DivergenceSettings
+from stepwatch_server.simulate import LossSpike
 from tests.conftest import require
 from tests.detect.helpers import run_scenario, scenario
 from tests.detect.real_logs import DEEPSEEK, LLMC, SCALEUP_1B, run_csv
@@ -49,6 +50,28 @@ def test_a_recovered_spike_and_a_single_nan_are_not_divergence() -> None:
     assert [(a.kind, a.first_step, a.status) for a in found] == [("loss_spike", 1500, "resolved")]
     _, found = run_scenario(scenario("nonfinite_act_8"), kinds=KINDS)
     assert found == []
+
+
+def test_a_large_spike_that_takes_60_steps_to_come_back_is_a_spike_not_a_divergence() -> None:
+    """2.8x, decaying for 60 steps: still 1.05-1.1x its old level after 50 steps, but coming back."""
+    sc = scenario("loss_spike_8", faults=(LossSpike(1500, magnitude=2.8, recovery_steps=60),))
+    _, found = run_scenario(sc, kinds=KINDS)
+    assert [(a.kind, a.first_step) for a in found] == [("loss_spike", 1500)], [a.summary for a in found]
+
+
+def test_a_nan_loss_on_one_of_two_ranks_for_three_steps_is_not_a_divergence() -> None:
+    """A bad sample on one rank of two (its gradients skipped): `nonfinite`'s, not "the parameters are
+    gone", which would be every rank's loss."""
+    ctx = RunContext("t", 2)
+    det = DivergenceDetector(ctx, DivergenceSettings())
+    for step in range(1, 400):
+        bad = 200 <= step < 203
+        loss = np.array([np.nan if bad else 3.0, 3.0])
+        flags = np.array([1.0 if bad else 0.0, 0.0])
+        det.on_frame(
+            StepFrame("t", step, 1e9 + step, np.ones(2, dtype=bool), {"loss": loss, "nonfinite.loss": flags})
+        )
+    assert [a.summary for a in ctx.book.drain_changes()] == []
 
 
 def _frame(step: int, loss: float) -> StepFrame:

@@ -7,7 +7,9 @@ warm-up, clipping, the bad data shard). The earlier someone knows, the less comp
 Three signals on the global loss (mean over the ranks' finite losses), any of which opens it:
 - no recovery: the loss rises `min_rel_rise` (15%) and `min_z` (6 robust SDs) above the median of
   the `window_frames` steps before and has not come back within half of either for
-  `no_recover_frames` (50) steps (so a `loss_spike` that stays is this). The z is lower than
+  `no_recover_frames` (50) steps (so a `loss_spike` that stays is this), unless it is coming back: its
+  rise has decayed to `decayed_share` (a quarter) of the peak's (a 2.5-3x spike that takes 50-60 steps
+  to come down), for up to twice `no_recover_frames`. The z is lower than
   loss_spike's 10 because 50 steps of persistence, not one value, carry the evidence. A simulated spike of
   1.6x is back under 1.075x within ~20 steps; real one-step spikes recover on the next step. The
   baseline is frozen while the loss is up, so a climbing loss cannot drag its reference along.
@@ -15,8 +17,8 @@ Three signals on the global loss (mean over the ranks' finite losses), any of wh
   the last quarter's is `trend_min_rise` (15%) above the first's. Healthy loss falls or is flat; the
   slow wander of the data mixture stays within a few percent over 400 steps. Quarter medians
   ignore spikes that recover. This catches slow climbs that the rolling baseline would absorb.
-- non-finite: the loss is NaN/Inf (the `nonfinite.loss` flag or an Inf value) on at least
-  `nonfinite_rank_fraction` (half) of the reporting ranks for `nonfinite_frames` (3) steps in a row:
+- non-finite: the loss is NaN/Inf (the `nonfinite.loss` flag or an Inf value) on more than
+  `nonfinite_rank_fraction` (half) of the reporting ranks (1 of 2 is a bad sample's) for `nonfinite_frames` (3) steps in a row:
   the parameters are gone. One rank's bad sample, or one skipped step, is `nonfinite`'s, not this.
 
 One anomaly per run ("run"), critical, first_step = when the loss started leaving (the onset of
@@ -52,11 +54,12 @@ class DivergenceSettings(DetectorSettings):
     min_rel_rise: float = 0.15  # "up": >= 1.15x the baseline median ...
     min_z: float = 6.0  # ... and >= 6 robust SDs above it
     no_recover_frames: int = 50  # up this long without coming back: divergence
+    decayed_share: float = 0.25  # ... unless the rise has decayed to this share of its peak (coming back)
     recover_frames: int = 3  # steps back within half the thresholds before "back"
     trend_frames: int = 400  # the trend window (4 quarters of 100)
     trend_min_rise: float = 0.15  # last quarter's median over the first's
     trend_check_every: int = 10  # steps between trend checks (a slow trend is not in a hurry)
-    nonfinite_rank_fraction: float = 0.5  # share of reporting ranks with a non-finite loss
+    nonfinite_rank_fraction: float = 0.5  # more than this share of reporting ranks with a non-finite loss
     nonfinite_frames: int = 3  # consecutive steps of that
 
 
@@ -104,7 +107,7 @@ class DivergenceDetector(Detector):
         if loss is not None:
             bad |= np.isinf(loss)
         reporting = max(1, int(frame.present.sum()))
-        if bad.sum() >= self.s.nonfinite_rank_fraction * reporting:
+        if bad.sum() > self.s.nonfinite_rank_fraction * reporting:
             if self.nf_run == 0:
                 self.nf_first = (frame.step, frame.ts)
             self.nf_run += 1
@@ -154,6 +157,13 @@ class DivergenceDetector(Detector):
         rise = float(np.exp(q[-1] - q[0]) - 1.0)
         return (rise, [round(float(np.exp(x)), 5) for x in q]) if rise >= self.s.trend_min_rise else None
 
+    def _coming_back(self, up: dict[str, Any], gl: float) -> bool:
+        """A large spike that decays slowly is still a spike: its rise has fallen to `decayed_share` of
+        the peak's (for up to twice `no_recover_frames`)."""
+        if not np.isfinite(gl) or up["frames"] >= 2 * self.s.no_recover_frames:
+            return False
+        return bool(gl - up["median"] <= self.s.decayed_share * (up["peak"] - up["median"]))
+
     # -- the anomaly -------------------------------------------------------------------------------
     def _judge(self, frame: StepFrame, gl: float) -> None:
         modes: list[str] = []
@@ -161,7 +171,7 @@ class DivergenceDetector(Detector):
         ev: dict[str, Any] = {"loss": None if not np.isfinite(gl) else round(gl, 6)}
         parts: list[str] = []
         up = self.up
-        if up is not None and up["frames"] >= self.s.no_recover_frames:
+        if up is not None and up["frames"] >= self.s.no_recover_frames and not self._coming_back(up, gl):
             modes.append("no_recovery")
             first.append((up["step"], up["ts"]))
             ratio = (gl if np.isfinite(gl) else up["peak"]) / up["median"]
