@@ -1,4 +1,4 @@
-"""The world the detectors are scored on: seeds turned into randomised runs, in two disjoint splits.
+"""The world the detectors are scored on: seeds turned into randomised runs, in three disjoint splits.
 
     from stepwatch_server.simulate.world import DEV, HELDOUT, build, split
     scenarios = split("dev")        # name -> Scenario: dev-000 .. dev-039
@@ -11,8 +11,9 @@ third in order of size) and deals each of `world_faults.VARIANTS` (every fault k
 with the hard cases) to one of the others, one or two a run. Everything else comes from the run's own seed: its shape
 (steps, step time, noise, warm-up, pauses and whether they are marked, the agent's version), a random
 subset of the benign behaviours (`benign.py`) with random parameters, its faults' parameters and
-places, and its memory (device, level, headroom). `DEV` is the development set; `HELDOUT` is scored
-only at the end. Nothing here reads a detector's settings: the ranges come from what real runs do.
+places, and its memory (device, level, headroom). `DEV` is the development set; `HELDOUT` was scored
+blind once (docs/detection.md) and then looked into, so it is a second development set now; `FINAL`
+is the blind one, scored only at the end of a change, never tuned on. Nothing here reads a detector's settings: the ranges come from what real runs do.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from stepwatch_server.simulate.scenario import (
 )
 from stepwatch_server.simulate.world_faults import Placement, Variant, log_uniform
 
-SPLITS = ("dev", "heldout")
+SPLITS = ("dev", "heldout", "final")
 RUNS_PER_SPLIT = 40
 CLEAN_RUNS = 13
 # World sizes of a split's runs: a quarter <= 4 ranks, one of 512.
@@ -102,6 +103,7 @@ def plan(split_name: str) -> tuple[RunPlan, ...]:
 
 DEV: tuple[RunPlan, ...] = plan("dev")
 HELDOUT: tuple[RunPlan, ...] = plan("heldout")
+FINAL: tuple[RunPlan, ...] = plan("final")
 
 
 @cache
