@@ -174,3 +174,18 @@ def test_a_slow_loader_does_not_stretch_a_pause_or_a_storage_blip() -> None:
     np.testing.assert_allclose(extra[199:], own[199:])  # 2x its own wait, and only that
     assert a["pause_ms"][300] > 25_000 and a["stall_ms"][199:].max() > 0.9 * BASE.step_ms  # both happen
     assert extra[300] < 0.1 * BASE.step_ms  # step 301, after the 30 s evaluation
+
+
+@pytest.mark.parametrize("order", ["stall first", "stall last"])
+def test_more_data_work_or_a_node_hiccup_does_not_lengthen_a_rank_data_stall(order: str) -> None:
+    """A data stall is drawn under the hang deadline; local rank 0's extra data work and its node's
+    hiccup multiply the loader's own time only, so the stall stays what it was drawn as (heldout-032's
+    20 s stalls on a local rank 0 doing 1.5x the data work were 30 s, a real hang)."""
+    stall = DataStall(rank=8, step=500, steps=2, step_times=4.0)
+    others = (ExtraDataWork(1.5, "local0"), NodeDataHiccup(node=1, step=499, steps=4, factor=3.0))
+    plain = arrays(with_benign(*others))
+    both = arrays(with_benign(stall, *others) if order == "stall first" else with_benign(*others, stall))
+    extra = both["data"] - plain["data"]
+    np.testing.assert_allclose(extra[499:501, 8], 4.0 * BASE.step_ms)
+    extra[499:501, 8] = 0.0
+    np.testing.assert_allclose(extra, 0.0, atol=1e-9)

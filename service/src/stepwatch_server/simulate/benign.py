@@ -214,7 +214,11 @@ def node_data_hiccup(b: NodeDataHiccup, ch: Chunk, scn: Scenario) -> None:
 
 
 def data_stall(b: DataStall, ch: Chunk, scn: Scenario) -> None:
-    ch.data[_rows(ch, b.step, b.steps), b.rank] += b.step_times * scn.step_ms
+    rows = _rows(ch, b.step, b.steps)
+    if ch.rank_stall_ms is None:
+        ch.rank_stall_ms = np.zeros(ch.data.shape)
+    ch.rank_stall_ms[rows, b.rank] += b.step_times * scn.step_ms  # not the loader's: own_data() leaves it out
+    ch.data[rows, b.rank] += b.step_times * scn.step_ms
 
 
 def loss_bump(b: LossBump, ch: Chunk, scn: Scenario) -> None:

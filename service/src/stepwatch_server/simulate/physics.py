@@ -118,13 +118,17 @@ class Chunk:
     session_start_ts: float | None = None  # set on the first chunk of a resumed session
     kill_ts: float | None = None  # set on the last chunk of a session that is killed
     stall_ms: np.ndarray | None = None  # (n,) storage blip inside every rank's data time (None: none)
+    rank_stall_ms: np.ndarray | None = None  # (n, R) one rank's data stalls (benign.DataStall), or None
 
     def own_data(self) -> np.ndarray:
-        """(n, R) data time that is the rank's loader's own: without the pause and the storage blip
-        that sit in the same measured interval (no loader makes a checkpoint or a filesystem stall longer)."""
+        """(n, R) data time that is the rank's loader's own: without the pause, the storage blip and the
+        rank's data stalls that sit in the same measured interval (no loader makes a checkpoint or a
+        filesystem stall longer, and more data work does not lengthen a stall)."""
         own: np.ndarray = self.data - self.pause_ms[:, None]
         if self.stall_ms is not None:
             own = own - self.stall_ms[:, None]
+        if self.rank_stall_ms is not None:
+            own = own - self.rank_stall_ms
         return own
 
     # (row, rank, kind, data): events stamped at that rank's step end (phase events add an offset)
