@@ -23,7 +23,9 @@ one needs the long one). The growth per step between consecutive block means is 
   errors (from the spread of the growths themselves): an allocator step moves one part, not all;
 - **not slowing**: the last part grows at least `keep_ratio` as fast as the first (a drift that levels
   off fails), and the window's net rise is at least `net_fraction` of slope x span (a sawtooth that
-  dropped back fails);
+  dropped back fails); the floor rises too: the lowest block of the last part is above the lowest of
+  the first by `net_fraction` of the net rise (a sawtooth's troughs stay at its base whatever its phase
+  at the window's ends, and a drift or allocator step under it is judged on its own size);
 - **threatening**: the memory still to come, projected from the parts (linear when they do not
   slow, else the exponential approach their slowdown implies, whose total is finite) reaches the
   capacity (`mem.capacity_mb`: the device's on a GPU, the host's or the cgroup's on a CPU) within the
@@ -238,6 +240,12 @@ class MemoryLeakDetector(Detector):
             head = int(ends[-2])
             kept &= means[-1] - means[: head + 1].max(axis=0) >= s.net_fraction * (means[-1] - means[head])
             kept &= net >= s.min_growth_mb * np.maximum(1.0, s.growth_ref_steps / np.maximum(span, 1.0))
+            # ... and its floor rises with it: the lowest block of the last part is above the lowest of the
+            # first by half the net rise. A leak lifts the troughs too; a sawtooth's drops come back to
+            # its base, so its phase at the window's ends (what the net and the parts' ends see) is not
+            # growth.
+            floors = np.stack([p.min(axis=0) for p in np.array_split(means, s.sub_windows)])
+            kept &= floors[-1] - floors[0] >= s.net_fraction * net
             # Growth still to come: the parts' slowdown, if any, read as an exponential approach
             # (rate per step between the first and the last part's centres), whose total is finite.
             dist = np.maximum(span * (s.sub_windows - 1) / s.sub_windows, 1.0)
