@@ -316,10 +316,8 @@ class MemoryLeakDetector(Detector):
             self._run_median = float(np.median(slopes))
             order = np.argsort(-slopes)
             worst = int(rank_level[order[0]])
-            self._raise(
-                RUN_KEY, None, frame, windows[chosen[worst]], worst, ranks=rank_level,
-                run_median=self._run_median,
-            )
+            window = windows[chosen[worst]]
+            self._raise(RUN_KEY, None, frame, window, worst, ranks=rank_level, run_median=self._run_median)
         if run_level or ctx.book.is_open(KIND, RUN_KEY):
             # Under an open run-level leak, a rank that crosses the bar later (whatever the count at that
             # moment) is part of it; only one leaking much faster is a second leak of its own.
@@ -330,10 +328,8 @@ class MemoryLeakDetector(Detector):
             self._raise(f"rank:{r}", r, frame, windows[chosen[r]], r)
         book = ctx.book
         for a in book.open_of(KIND):
-            if a.key == RUN_KEY:
-                still = bool(growing.any())  # its last ranks still growing are part of it, not new leaks
-            else:
-                still = a.rank is not None and bool(growing[a.rank])
+            # A run-level leak's last ranks still growing are part of it, not new leaks.
+            still = bool(growing.any()) if a.key == RUN_KEY else a.rank is not None and bool(growing[a.rank])
             if not still:
                 book.resolve(KIND, a.key, step=frame.step, ts=frame.ts, note="memory stopped growing")
 
