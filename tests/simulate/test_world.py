@@ -136,3 +136,16 @@ def test_benign_loss_bumps_never_stack() -> None:
             bumps = sorted((b for b in scn.benign if isinstance(b, LossBump)), key=lambda b: b.step)
             for a, b in pairwise(bumps):
                 assert b.step > a.step + a.steps + 5, (scn.name, a, b)
+
+
+def test_one_ranks_data_stalls_never_stack() -> None:
+    """Two stalls of one rank on the same steps add up (2 x 20 s is past the hang deadline a stall is
+    drawn under: final-014's rank 4 waited 40 s): the world keeps them apart, in every split."""
+    from stepwatch_server.simulate.benign import DataStall
+    from stepwatch_server.simulate.world import SPLITS, split
+
+    for name in SPLITS:
+        for scn in split(name).values():
+            stalls = sorted((b for b in scn.benign if isinstance(b, DataStall)), key=lambda b: (b.rank, b.step))
+            for a, b in pairwise(stalls):
+                assert a.rank != b.rank or b.step >= a.step + a.steps, (scn.name, a, b)

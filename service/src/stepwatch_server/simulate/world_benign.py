@@ -81,6 +81,7 @@ def draw(rng: np.random.Generator, scn: Scenario, want_drift: bool) -> list[Beni
                 round(log_uniform(rng, 2.0, 20.0), 2),
             ))  # fmt: skip
     if rng.random() < 0.5:
+        stalls: list[DataStall] = []
         for _ in range(int(rng.integers(1, 6))):
             n = int(rng.integers(1, 11))
             # A rank stopped for longer than a hang's deadline (max(30 s, 5 steps)) would be a hang: a
@@ -88,9 +89,15 @@ def draw(rng: np.random.Generator, scn: Scenario, want_drift: bool) -> list[Beni
             deadline_ms = max(HANG_DEADLINE_S * 1000.0, 5 * scn.step_ms)
             most_ms = min(STALL_MAX_S * 1000.0, deadline_ms - 3 * scn.step_ms)
             times = min(float(rng.uniform(0.5, 10.0)), most_ms / scn.step_ms)
-            out.append(
-                DataStall(int(rng.integers(0, ws)), int(rng.integers(20, steps - n)), n, round(times, 2))
-            )
+            stall = DataStall(int(rng.integers(0, ws)), int(rng.integers(20, steps - n)), n, round(times, 2))
+            # Two stalls of one rank on the same steps add up (2 x 20 s is past the deadline): one that
+            # overlaps an earlier one of its rank is left out, the draws made all the same.
+            if all(
+                b.rank != stall.rank or stall.step >= b.step + b.steps or stall.step + stall.steps <= b.step
+                for b in stalls
+            ):
+                stalls.append(stall)
+        out.extend(stalls)
     if rng.random() < 0.5:
         bumps: list[LossBump] = []
         for _ in range(int(rng.integers(1, 5))):
