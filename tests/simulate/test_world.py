@@ -146,6 +146,8 @@ def test_one_ranks_data_stalls_never_stack() -> None:
 
     for name in SPLITS:
         for scn in split(name).values():
-            stalls = sorted((b for b in scn.benign if isinstance(b, DataStall)), key=lambda b: (b.rank, b.step))
+            stalls = sorted(
+                (b for b in scn.benign if isinstance(b, DataStall)), key=lambda b: (b.rank, b.step)
+            )
             for a, b in pairwise(stalls):
                 assert a.rank != b.rank or b.step >= a.step + a.steps, (scn.name, a, b)
