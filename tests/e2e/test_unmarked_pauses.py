@@ -74,27 +74,27 @@ def _data_ms_at_pause(collector: Collector, run: str) -> dict[int, float]:
     return {s["rank"]: s["values"][0] for s in series if s["steps"] == [PAUSE_STEP]}
 
 
-def _listed(found: list[dict[str, Any]]) -> str:
-    return "\n".join(f"{a['kind']} {a['severity']} {a['status']}: {a['summary']}" for a in found) or "none"
+def _assert_paused_and_no_hang(
+    collector: Collector, run: str, found: list[dict[str, Any]], pause_s: float
+) -> None:
+    """Every rank's step after the pause holds the pause in its data time, and no `hang` was raised."""
+    paused = _data_ms_at_pause(collector, run)
+    assert sorted(paused) == [0, 1, 2, 3] and min(paused.values()) >= 0.95 * pause_s * 1000, paused
+    listed = "\n".join(f"{a['kind']} {a['severity']} {a['status']}: {a['summary']}" for a in found) or "none"
+    assert [a for a in found if a["kind"] == "hang"] == [], f"anomalies of the run:\n{listed}"
 
 
 def test_an_unmarked_no_grad_eval_of_60_s_in_a_4_rank_run_is_not_a_hang(
     collector: Collector, tmp_path: Path
 ) -> None:
     run, found = _run_with_pause(collector, tmp_path, "eval", EVAL_S)
-    paused = _data_ms_at_pause(collector, run)
-    assert sorted(paused) == [0, 1, 2, 3] and min(paused.values()) >= 0.95 * EVAL_S * 1000, paused
     steps = collector.get(f"/api/v1/runs/{run}/ranks")["ranks"]
     assert [r["last_step"] for r in steps] == [STEPS] * 4, steps
-    hangs = [a for a in found if a["kind"] == "hang"]
-    assert hangs == [], f"anomalies of the run:\n{_listed(found)}"
+    _assert_paused_and_no_hang(collector, run, found, EVAL_S)
 
 
 def test_an_unmarked_checkpoint_on_rank_0_while_the_others_wait_in_barrier_is_not_a_hang(
     collector: Collector, tmp_path: Path
 ) -> None:
     run, found = _run_with_pause(collector, tmp_path, "checkpoint", CHECKPOINT_S)
-    paused = _data_ms_at_pause(collector, run)
-    assert sorted(paused) == [0, 1, 2, 3] and min(paused.values()) >= 0.95 * CHECKPOINT_S * 1000, paused
-    hangs = [a for a in found if a["kind"] == "hang"]
-    assert hangs == [], f"anomalies of the run:\n{_listed(found)}"
+    _assert_paused_and_no_hang(collector, run, found, CHECKPOINT_S)

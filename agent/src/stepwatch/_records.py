@@ -12,7 +12,9 @@ class Live:
 
     `forwards` / `nograd_forwards` count the root model's forward calls in this session (all, and those
     with autograd off: `torch.no_grad()`, `inference_mode`), also inside a marked pause: forwards that
-    advance while no step completes are an evaluation, not a hang (docs/ingest.md, `heartbeat`).
+    advance while no step completes are an evaluation, not a hang (docs/ingest.md, `heartbeat`). A
+    recompute of the root module under activation checkpointing runs with autograd on: it adds to
+    `forwards`, never to `nograd_forwards`.
     """
 
     phase: str = "data"
