@@ -36,16 +36,15 @@ class RunContext:
         self._sessions: list[tuple[str, ...]] = [()] * world_size  # its recent ones, newest last
         self.restart_ts = np.nan  # event time of the latest restarted session's first message (any rank)
         # What the training thread does (heartbeat fields, -1 / () when not reported), for detect/activity.py:
-        # the latest heartbeat's counters, the counters at the rank's last completed step (the first
+        # the latest heartbeat's counters, the no-grad count at the rank's last completed step (the first
         # heartbeat that reported that step), when the no-grad count last advanced, the stack, and when
         # it last showed a save call.
         self.forwards = np.full(world_size, -1, dtype=np.int64)
         self.nograd_forwards = np.full(world_size, -1, dtype=np.int64)
-        self.forwards_at_step = np.full(world_size, -1, dtype=np.int64)
         self.nograd_at_step = np.full(world_size, -1, dtype=np.int64)
         self.nograd_moved_ts = np.full(world_size, np.nan)  # event time of a heartbeat whose count rose
         self.checkpoint_seen_ts = np.full(world_size, np.nan)  # ... of the latest with a save on its stack
-        self._counted_step = np.full(world_size, -2, dtype=np.int64)  # the step the *_at_step belong to
+        self._counted_step = np.full(world_size, -2, dtype=np.int64)  # the step nograd_at_step belongs to
         self.stack: list[tuple[str, ...]] = [()] * world_size
         self.stack_activity = np.zeros(world_size, dtype=np.int8)  # activity.stack_activity(stack)
         self.last_arrival_wall = np.nan  # wall-clock time the run last sent anything
@@ -104,7 +103,7 @@ class RunContext:
                 self.restart_ts = float(np.fmax(self.restart_ts, min(starts)))
         self.session[r] = batch.session
         self._sessions[r] = (*recent[-(RECENT_SESSIONS - 1) :], batch.session)
-        for counter in (self.forwards, self.nograd_forwards, self.forwards_at_step, self.nograd_at_step):
+        for counter in (self.forwards, self.nograd_forwards, self.nograd_at_step):
             counter[r] = -1  # the agent's counters start again with each session
         self.nograd_moved_ts[r] = self.checkpoint_seen_ts[r] = np.nan
         self.heartbeat_step[r] = -1  # the old session's steps say nothing about the new one's progress
@@ -120,7 +119,7 @@ class RunContext:
             step = -1 if hb.last_step is None else hb.last_step
             if step != self._counted_step[r]:
                 self._counted_step[r] = step
-                self.forwards_at_step[r], self.nograd_at_step[r] = hb.forwards, hb.nograd_forwards
+                self.nograd_at_step[r] = hb.nograd_forwards
         if hb.stack != self.stack[r]:
             self.stack[r], self.stack_activity[r] = hb.stack, stack_activity(hb.stack)
         if self.stack_activity[r] == CHECKPOINT:
