@@ -21,12 +21,22 @@ from stepwatch_server.simulate import (
 )
 from stepwatch_server.simulate import world as world_mod
 from stepwatch_server.simulate.benign import EFFECTS
-from stepwatch_server.simulate.world import DEV, FINAL, HELDOUT, RunPlan, build, composition, plan, split
+from stepwatch_server.simulate.world import (
+    DEV,
+    FINAL,
+    FINAL2,
+    HELDOUT,
+    RunPlan,
+    build,
+    composition,
+    plan,
+    split,
+)
 from tests.conftest import require_module
 from tests.simulate.helpers import check_batch
 
 
-@pytest.mark.parametrize("name", ["dev", "heldout", "final"])
+@pytest.mark.parametrize("name", ["dev", "heldout", "final", "final2"])
 def test_split_holds_every_kind_the_hard_cases_and_a_third_clean(name: str) -> None:
     scns = split(name)
     comp = composition(scns)
@@ -61,7 +71,7 @@ def test_split_holds_every_kind_the_hard_cases_and_a_third_clean(name: str) -> N
 
 def test_splits_are_disjoint_and_deterministic() -> None:
     assert {p.seed for p in DEV}.isdisjoint(p.seed for p in HELDOUT)
-    assert len({p.seed for p in DEV + HELDOUT + FINAL}) == 120
+    assert len({p.seed for p in DEV + HELDOUT + FINAL + FINAL2}) == 160
     assert [p.name for p in DEV] == [f"dev-{i:03d}" for i in range(40)]
     assert [p.name for p in HELDOUT] == [f"heldout-{i:03d}" for i in range(40)]
     plan.cache_clear()
