@@ -104,8 +104,10 @@ class Decoder:
                 if rec.loss_div > 1 and m.get("loss") is not None:
                     m["loss"] = m["loss"] / rec.loss_div  # type: ignore[operator]
             gn = m.get("grad_norm")
-            if gn is not None:
-                m["grad_sumsq"] = gn * gn  # this rank's (shard's) own norm, before any override
+            if gn is not None and "grad_sumsq" not in m:
+                # This rank's (shard's) own sum of squares, before any override (the hook sends its own
+                # when replicated parameters count 1/copies: _layout.py).
+                m["grad_sumsq"] = gn * gn
             if rec.log_names:
                 m.update(zip(rec.log_names, values[k : k + len(rec.log_names)], strict=True))
                 k += len(rec.log_names)

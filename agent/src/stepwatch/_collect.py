@@ -21,6 +21,7 @@ from ._capacity import device_capacity_mb
 from ._config import Config
 from ._device import Fingerprinter, local, transfer
 from ._guard import Guard
+from ._layout import Layout
 from ._records import Chunk, Live, StepRecord
 from ._step import Step, find_loss, first_tensor, log_one, resumed_step, valid_name
 
@@ -76,6 +77,7 @@ class Collector:
         guard: Guard,
         live: Live,
         submit: Callable[[Chunk], None],
+        layout: Layout | None = None,
     ) -> None:
         self.model, self.optimizer, self.config, self.guard, self.live = model, optimizer, config, guard, live
         self._submit = submit
@@ -86,6 +88,14 @@ class Collector:
         self.capacity_mb = self._capacity_mb()  # read once: the sender adds it to the memory values
         self._pnames = {id(p): n for n, p in model.named_parameters()}
         self._fingerprint = Fingerprinter(model)
+        # Every rank its own shard (FSDP2 or TP over all ranks): no fingerprint has a replica to agree with.
+        self._fingerprints = config.fingerprint_every if layout is None or layout.replicas > 1 else 0
+        # Ranks of one replica holding each parameter (a replicated one counts 1/copies in the sum of
+        # squares the collector adds up over shards); empty when every parameter is held once.
+        self._copies: dict[int, float] = {}
+        if layout is not None and any(c != 1.0 for c in layout.copies):
+            self._copies = {id(p): c for p, c in zip(model.parameters(), layout.copies, strict=True)}
+        self._weights: tuple[tuple[int, ...], torch.Tensor | None] = ((), None)
         self._slots: dict[str, int] = {}  # tracked module -> index in first-seen forward order
         self._order: tuple[str, ...] = ()
         # What a module that did not run this step reports, made once: (min, max) with min > max on a
@@ -272,10 +282,24 @@ class Collector:
                 cur.scalars.append(_vector_norm(norms, out=cur.row[0]))
             else:
                 cur.scalars.append(_vector_norm(norms))
+            if self._copies:
+                cur.hook_names.append("grad_sumsq")
+                cur.scalars.append(torch.dot(norms * norms, self._weights_of(params, norms.device)))
             if cur.sampled:
                 cur.grads = (norms.to(self.device, non_blocking=True), self._names_of(params))
         except Exception as exc:
             self.guard.fail("grads", exc)
+
+    def _weights_of(self, params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """1/copies per parameter with a dense gradient this step (made again when that set changes)."""
+        ids = tuple(id(p) for p in params if p.grad is not None and not p.grad.is_sparse)
+        cached_ids, weights = self._weights
+        if ids != cached_ids or weights is None:
+            weights = torch.tensor([1.0 / self._copies.get(i, 1.0) for i in ids], dtype=torch.float32).to(
+                device
+            )
+            self._weights = (ids, weights)
+        return weights
 
     def _names_of(self, params: list[torch.Tensor]) -> tuple[str, ...]:
         """Names of the parameters that have a dense gradient this step (sampled steps only)."""
@@ -335,7 +359,7 @@ class Collector:
         cur, step, ts, prev_end, end = self._done
         self._done = None
         rec = cur.record(step, ts, self._order, self._missing)
-        every = self.config.fingerprint_every
+        every = self._fingerprints
         if every and step % every == 0 and "fingerprint" not in self._off:
             try:
                 rec.vectors.append(self._fingerprint.words())

@@ -63,9 +63,9 @@ class Config:
     spool_dir: Path = field(default=DEFAULT_SPOOL_DIR)
     max_spool_mb: float = MAX_SPOOL_MB
     node: str | None = None
-    replica_group: int | None = None
-    shard: int = 0
-    num_shards: int = 1
+    replica_group: int | None = None  # None: from the parameters' device meshes, else the rank
+    shard: int | None = None  # None: from the meshes, else 0
+    num_shards: int | None = None  # None: from the meshes, else 1
     timeout_s: float = REQUEST_TIMEOUT_S
     start_step: int | None = None  # None: from the optimizer's own state (a resumed run), else 0
     report_stack: bool = True  # heartbeats carry the training thread's function names (module:function)
@@ -162,9 +162,9 @@ def build_config(
     kw["node"] = node
     if options.get("replica_group") is not None:
         kw["replica_group"] = _int("replica_group", options["replica_group"], 0)
-    if "shard" in options:
+    if options.get("shard") is not None:
         kw["shard"] = _int("shard", options["shard"], 0)
-    if "num_shards" in options:
+    if options.get("num_shards") is not None:
         kw["num_shards"] = _int("num_shards", options["num_shards"], 1)
     if kw.get("shard", 0) >= kw.get("num_shards", 1):
         raise ValueError(

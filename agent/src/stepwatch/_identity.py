@@ -6,9 +6,10 @@ import os
 import socket
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ._config import Config
+from ._layout import Layout
 
 # (rank, world size, local rank) variables, in order of preference: torchrun, then SLURM.
 _ENV_SCHEMES = (("RANK", "WORLD_SIZE", "LOCAL_RANK"), ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
@@ -78,6 +79,19 @@ def detect(config: Config, environ: Mapping[str, str] = os.environ) -> Identity:
         local_rank=local if local is not None else 0,
         node=node[:200],
         replica_group=config.replica_group if config.replica_group is not None else rank,
-        shard=config.shard,
-        num_shards=config.num_shards,
+        shard=config.shard if config.shard is not None else 0,
+        num_shards=config.num_shards if config.num_shards is not None else 1,
+    )
+
+
+def with_layout(identity: Identity, layout: Layout | None, config: Config) -> Identity:
+    """The identity with the replica group, shard and shards per replica read from the device meshes,
+    except those the user set (options win)."""
+    if layout is None:
+        return identity
+    return replace(
+        identity,
+        replica_group=config.replica_group if config.replica_group is not None else layout.replica_group,
+        shard=config.shard if config.shard is not None else layout.shard,
+        num_shards=config.num_shards if config.num_shards is not None else layout.num_shards,
     )

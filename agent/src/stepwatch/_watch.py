@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from ._config import FLUSH_TIMEOUT_S, Config, build_config, env_disabled
 from ._guard import Counters, Guard
-from ._identity import Identity, detect
+from ._identity import Identity, detect, with_layout
+from ._layout import Layout, from_params
 from ._records import Live
 from ._sender import Sender
 from ._spool import Spool, spool_path
@@ -64,7 +65,9 @@ class Watch:
     ) -> None:
         from ._collect import Collector  # imports torch: only ever reached through attach()
 
-        self.config, self.identity = config, identity
+        layout = _layout_of(model, identity)
+        identity = with_layout(identity, layout, config)
+        self.config, self.identity, self.layout = config, identity, layout
         self._counters = Counters()
         self._guard = Guard(self._counters)
         self._live = Live()
@@ -88,7 +91,7 @@ class Watch:
             training_thread,
         )
         self._collector: Collector | None = Collector(
-            model, optimizer, config, self._guard, self._live, self._sender.submit
+            model, optimizer, config, self._guard, self._live, self._sender.submit, layout
         )
         self._sender.set_capacity_mb(self._collector.capacity_mb)
         self._sender.start()
@@ -252,3 +255,25 @@ def attach(
             f"model.named_modules(), e.g. {known}"
         )
     return Watch(model, optimizer, config, detect(config))
+
+
+def _layout_of(model: torch.nn.Module, identity: Identity) -> Layout | None:
+    """The parameters' device-mesh layout (FSDP2, HSDP, TP), said once on rank 0; None without DTensors
+    or when it cannot be read (then the options' or the defaults' layout stands)."""
+    try:
+        layout = from_params(list(model.parameters()), identity.rank, identity.world_size)
+    except Exception as exc:  # an unfamiliar mesh: never break attach() over it
+        logger.warning(
+            "stepwatch: could not read the parameters' device mesh (%s); set shard/num_shards", exc
+        )
+        return None
+    if layout is not None and identity.rank == 0:
+        if layout.replicas == 1:
+            logger.warning(
+                "stepwatch: the model is split into %s: no two ranks hold the same parameters, so replica "
+                "fingerprints are not compared (replica_divergence needs data-parallel copies, e.g. HSDP)",
+                layout.description,
+            )
+        else:
+            logger.info("stepwatch: parameter layout %s", layout.description)
+    return layout
