@@ -6,10 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 
 from stepwatch_server.detect import Anomaly, StepFrame
 from stepwatch_server.detect.context import RunContext
-from stepwatch_server.detect.detectors.loss_spike import LossSpikeDetector
+from stepwatch_server.detect.detectors.loss_spike import LossSpikeDetector, global_grad_norm
 from stepwatch_server.simulate import SCENARIOS
 from tests.conftest import require
 from tests.detect.helpers import run_scenario, scenario
@@ -117,3 +118,13 @@ def test_a_spike_just_after_warm_up_is_found_while_the_loss_still_falls_fast() -
     (a,) = _spikes(loss, grad)
     assert a.first_step == 130 and a.detected_step == 130 and a.evidence["corroborated"]
     assert 1.35 < a.evidence["ratio"] < 1.5 and a.evidence["z"] > 10
+
+
+def test_the_corroborating_grad_norm_is_the_models_from_the_shards_sums_of_squares() -> None:
+    """FSDP2, 2 replicas x 2 shards: each rank sends its shard's norm and sum of squares. The model's
+    norm is the root of one replica's summed squares (here 3^2 + 4^2 -> 5), not a shard's median."""
+    metrics = {"grad_norm": np.array([3.0, 4.0, 3.0, 4.0]), "grad_sumsq": np.array([9.0, 16.0, 9.0, 16.0])}
+    frame = StepFrame("r", 1, 1e9, np.ones(4, dtype=bool), metrics)
+    assert global_grad_norm(frame, num_shards=2) == pytest.approx(5.0)
+    ddp = {"grad_norm": np.array([2.0, 2.0])}  # an older agent: no sums of squares
+    assert global_grad_norm(StepFrame("r", 1, 1e9, np.ones(2, dtype=bool), ddp)) == 2.0

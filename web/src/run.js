@@ -12,7 +12,8 @@ import { subscribe } from "./live.js";
 
 const CURVES = [
   { metric: "loss", title: "Loss (mean over ranks)", stroke: "#6ea8fe" },
-  { metric: "grad_norm", title: "Gradient norm (mean over ranks)", stroke: "#c084fc" },
+  // The model's norm: the shards' sums of squares combined per step (FSDP, TP), not a shard's own norm.
+  { metric: "grad_norm", rank: "global", title: "Gradient norm (the model's, shards combined)", stroke: "#c084fc" },
   { metric: "lr", title: "Learning rate", stroke: "#5eead4" },
   { metric: "time.step_ms", title: "Step time, ms (mean over ranks, log scale)", stroke: "#fbbf24", log: true },
 ];
@@ -111,7 +112,7 @@ export function renderRun(main, run) {
       state.curves.push({ ...c, chart, steps: [], values: [] });
     }
     await Promise.all(state.curves.map(async (c) => {
-      const d = await getJson(`${path}/series`, { metric: c.metric, rank: "mean", max_points: MAX_POINTS });
+      const d = await getJson(`${path}/series`, { metric: c.metric, rank: c.rank ?? "mean", max_points: MAX_POINTS });
       const s = d.series[0] ?? { steps: [], values: [] };
       c.steps = s.steps;
       c.values = finiteOrNull(s.values);
@@ -124,7 +125,7 @@ export function renderRun(main, run) {
   async function loadTail() {
     const from = Math.max(0, (state.lastStep ?? 0) - TAIL_STEPS);
     await Promise.all(state.curves.map(async (c) => {
-      const d = await getJson(`${path}/series`, { metric: c.metric, rank: "mean", from_step: from, max_points: MAX_POINTS });
+      const d = await getJson(`${path}/series`, { metric: c.metric, rank: c.rank ?? "mean", from_step: from, max_points: MAX_POINTS });
       const s = d.series[0];
       if (!s) return;
       const keep = c.steps.findIndex((x) => x >= from);
@@ -141,7 +142,7 @@ export function renderRun(main, run) {
     if (!range) return;
     const [lo, hi] = [Math.floor(range[0]), Math.ceil(range[1])];
     await Promise.all(state.curves.map(async (c) => {
-      const d = await getJson(`${path}/series`, { metric: c.metric, rank: "mean", from_step: Math.max(0, lo), to_step: hi, max_points: MAX_POINTS });
+      const d = await getJson(`${path}/series`, { metric: c.metric, rank: c.rank ?? "mean", from_step: Math.max(0, lo), to_step: hi, max_points: MAX_POINTS });
       const s = d.series[0];
       if (!s) return;
       [c.steps, c.values] = mergeDetail(c.steps, c.values, s.steps, finiteOrNull(s.values), lo, hi);

@@ -22,6 +22,7 @@ class RunContext:
         self.node: list[str | None] = [None] * world_size
         self.replica_group = np.arange(world_size)
         self.shard = np.zeros(world_size, dtype=np.int64)
+        self.num_shards = np.ones(world_size, dtype=np.int64)  # shards per replica, as each rank says
         self.seen = np.zeros(world_size, dtype=bool)  # the rank has sent anything at all
         self.last_step = np.full(world_size, -1, dtype=np.int64)  # last completed step reported
         self.last_step_ts = np.full(world_size, np.nan)  # its end timestamp (event time)
@@ -61,6 +62,7 @@ class RunContext:
         self.node[r] = batch.node
         self.replica_group[r] = batch.replica_group
         self.shard[r] = batch.shard
+        self.num_shards[r] = batch.num_shards
         if batch.steps.size:
             self.ended[r] = False  # steps after a session_end: a new session of this rank
         if batch.steps.size:  # the latest batch is the truth, also when a resumed incarnation went back

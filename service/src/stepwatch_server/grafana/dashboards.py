@@ -94,10 +94,14 @@ def run_overview() -> dashboard.Dashboard:
         .with_panel(sql_timeseries("Loss (mean over ranks)", "none", step_metric_sql(("loss",))))
         .with_panel(
             sql_timeseries(
-                "Gradient norm (mean over ranks)",
+                "Gradient norm (the model's)",
                 "none",
-                step_metric_sql(("grad_norm",)),
-                description="Each rank's gradient norm at optimizer.step(), averaged over ranks.",
+                step_metric_sql(("grad_sumsq",), "sqrt(max(r.num_shards) * avg(p.value)) AS value"),
+                description=(
+                    "The model's gradient norm at optimizer.step(): each rank's sum of squares of its "
+                    "shard's gradients, combined over the shards of a replica (FSDP, TP); on DDP, every "
+                    "rank's own norm."
+                ),
             )
         )
         .with_panel(sql_timeseries("Learning rate", "none", step_metric_sql(("lr",))))

@@ -211,6 +211,12 @@ def read_steps(
     )
 
 
+def num_shards(conn: Connection, run_id: int) -> int:
+    """Shards per replica as the ranks last said (the largest; 1 before any rank did)."""
+    value = conn.execute(select(func.max(Rank.num_shards)).where(Rank.run_id == run_id)).scalar()
+    return int(value) if value else 1
+
+
 def rank_states(conn: Connection, run_id: int) -> list[dict[str, Any]]:
     ranks = conn.execute(select(*Rank.__table__.c).where(Rank.run_id == run_id).order_by(Rank.rank)).all()
     medians = median_step_ms(conn, run_id)

@@ -37,8 +37,13 @@ FromStep = Annotated[int | None, Query(ge=0, description="first step (inclusive)
 ToStep = Annotated[int | None, Query(ge=0, description="last step (inclusive)")]
 MaxPoints = Annotated[int, Query(ge=2, le=MAX_POINTS_CAP, description="per series; min-max downsampling")]
 RankParam = Annotated[
-    str, Query(description="a rank number, `all` (each rank), or `mean` (over ranks per step)")
+    str,
+    Query(
+        description="a rank number, `all` (each rank), `mean` (over ranks per step), or `global` (metric "
+        "grad_norm only: the model's norm, the shards' `grad_sumsq` combined per step)"
+    ),
 ]
+GLOBAL_METRICS = ("grad_norm",)
 
 
 def _rank_filter(rank: str, allow_mean: bool = True) -> tuple[int | None, bool]:
@@ -90,6 +95,8 @@ def get_series(
     max_points: MaxPoints = DEFAULT_MAX_POINTS,
 ) -> Response:
     found = queries.find_run(conn, run)
+    if rank == "global":
+        return _global_norm(conn, found, metric, from_step, to_step, max_points)
     rank_id, mean = _rank_filter(rank)
     ids = queries.series_ids(conn, found.id, METRIC_STAT, metric)
     if not ids:
@@ -104,6 +111,40 @@ def get_series(
         return json_response({"metric": metric, "series": shaped})
     series = queries.read_points(conn, list(ids), rank_id, from_step, to_step)
     return json_response({"metric": metric, "series": _shape(series, max_points)})
+
+
+def _global_norm(
+    conn: Connection, found: Any, metric: str, from_step: int | None, to_step: int | None, max_points: int
+) -> Response:
+    """The model's gradient norm per step: every rank sends its shard's sum of squares (`grad_sumsq`,
+    replicated parameters counted once per replica), so a replica's total is the sum over its shards,
+    and over all reporting ranks it is num_shards x their mean (every replica holds the same gradients)."""
+    if metric not in GLOBAL_METRICS:
+        raise InvalidBatch(
+            f"rank=global combines shards of a gradient norm: metric must be one of {list(GLOBAL_METRICS)}, "
+            f"got {metric!r} (use rank=mean for an average over ranks)",
+            field="rank",
+            code="invalid_parameter",
+        )
+    shards = queries.num_shards(conn, found.id)
+    ids = queries.series_ids(conn, found.id, METRIC_STAT, "grad_sumsq")
+    if ids:
+        steps, means = step_rollups.across_ranks(conn, list(ids), from_step, to_step, max_points).mean_curve()
+        with np.errstate(invalid="ignore"):
+            values = np.sqrt(shards * np.asarray(means, dtype=np.float64))
+    elif shards == 1 and (ids := queries.series_ids(conn, found.id, METRIC_STAT, metric)):
+        # No sums of squares (a sender other than the agent): unsharded ranks all hold the model's norm.
+        steps, values = step_rollups.across_ranks(
+            conn, list(ids), from_step, to_step, max_points
+        ).mean_curve()
+    else:
+        raise NotFound(
+            f"run {found.name!r} has no grad_sumsq (each shard's sum of squares, sent by the agent with "
+            f"grad_norm): its {shards} shards cannot be combined",
+            field="metric",
+        )
+    shaped = [{"rank": "global", "num_shards": shards, "steps": steps, "values": float_list(values)}]
+    return json_response({"metric": metric, "series": shaped})
 
 
 @router.get("/runs/{run:path}/tensors", summary="Per-module statistics (amax, grad_norm) per rank")

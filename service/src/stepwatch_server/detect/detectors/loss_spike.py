@@ -64,8 +64,15 @@ def global_loss(frame: StepFrame) -> float:
     return float(loss[ok].mean()) if ok.any() else float("nan")
 
 
-def global_grad_norm(frame: StepFrame) -> float:
-    """Median over ranks of their finite grad norms (equal on every DDP rank)."""
+def global_grad_norm(frame: StepFrame, num_shards: int = 1) -> float:
+    """The model's gradient norm at this step: from the shards' sums of squares (`grad_sumsq`: a
+    replica's total is the sum over its shards, so over the reporting ranks it is num_shards x their
+    mean), else the median over ranks of their grad norms (equal on every DDP rank)."""
+    sumsq = frame.metrics.get("grad_sumsq")
+    if sumsq is not None:
+        ok = np.isfinite(sumsq)
+        if ok.any():
+            return float(np.sqrt(num_shards * sumsq[ok].mean()))
     g = frame.metrics.get("grad_norm")
     if g is None:
         return float("nan")
@@ -182,7 +189,7 @@ class LossSpikeDetector(Detector):
         )  # the baseline (prediction, sd) an open spike is judged by
 
     def on_frame(self, frame: StepFrame) -> None:
-        gn = global_grad_norm(frame)
+        gn = global_grad_norm(frame, int(self.ctx.num_shards.max()))
         i = self.seen % self.recent_grads.size
         self.recent_grads[i], self.recent_grad_steps[i] = gn, frame.step
         gl = global_loss(frame)
