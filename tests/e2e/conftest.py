@@ -98,6 +98,17 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@pytest.fixture(scope="module")
+def collector(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Collector]:
+    """One real collector on SQLite for the whole test module (its runs have distinct names)."""
+    tmp = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+    c = Collector(f"sqlite:///{tmp / 'stepwatch.db'}", free_port(), tmp / "collector.log").start()
+    yield c
+    c.stop()
+
+
 @pytest.fixture
 def collector_factory(tmp_path: Path) -> Iterator[Any]:
     started: list[Collector] = []

@@ -109,6 +109,17 @@ def build_model() -> torch.nn.Sequential:
     )
 
 
+def init_gloo(rank: int, world_size: int, master_port: int, deadline_s: float) -> float:
+    """Join the loopback gloo group, one CPU thread; the process's deadline (monotonic), which the
+    collective timeout stays under."""
+    deadline = time.monotonic() + deadline_s
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=max(5.0, deadline_s - 5.0))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
+    return deadline
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     for name in ("--rank", "--world-size", "--master-port", "--fault-rank", "--fault-step", "--steps"):
@@ -121,11 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--spool-dir", required=True)
     p.add_argument("--pause-s", type=float, default=0.0, help="length of an unmarked eval or checkpoint")
     a = p.parse_args(argv)
-    deadline = time.monotonic() + a.deadline_s
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.master_port), LOCAL_RANK=str(a.rank))
-    torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=max(5.0, a.deadline_s - 5.0))
-    dist.init_process_group("gloo", rank=a.rank, world_size=a.world_size, timeout=timeout)
+    deadline = init_gloo(a.rank, a.world_size, a.master_port, a.deadline_s)
     model = build_model()
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)

@@ -21,8 +21,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from stepwatch._collect import STEPS_PER_TRANSFER
 from tests.conftest import REPO, require_module
 from tests.e2e.conftest import Collector, free_port
@@ -33,14 +31,6 @@ require_module("stepwatch")
 WORLD_SIZE = 4
 RANK_DEADLINE_S = 120.0  # each rank process exits by itself after this
 WAIT_S = 90.0  # the longest any test waits for an anomaly or for its ranks to finish
-
-
-@pytest.fixture(scope="module")
-def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Collector]:
-    tmp = tmp_path_factory.mktemp("detection_real")
-    c = Collector(f"sqlite:///{tmp / 'stepwatch.db'}", free_port(), tmp / "collector.log").start()
-    yield c
-    c.stop()
 
 
 @contextmanager
@@ -59,17 +49,27 @@ def ranks(
     pause_s: float = 0.0,
 ) -> Iterator[list[subprocess.Popen[bytes]]]:
     """Start the rank processes; at exit kill those still running (by their own pids)."""
+    args = ["--url", collector.url, "--run", run, "--fault", fault, "--fault-rank", str(fault_rank)]
+    args += ["--fault-step", str(fault_step), "--steps", str(steps), "--data-ms", str(data_ms)]
+    args += ["--fault-data-ms", str(fault_data_ms)]
+    args += ["--deadline-s", str(deadline_s), "--spool-dir", str(tmp_path / "spool")]
+    args += ["--pause-s", str(pause_s)]
+    with rank_processes("tests.e2e.fault_ranks", world_size, args, tmp_path) as procs:
+        yield procs
+
+
+@contextmanager
+def rank_processes(
+    module: str, world_size: int, args: list[str], tmp_path: Path
+) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """`python -m module --rank R --world-size N --master-port P *args` for every rank, each logging to
+    tmp_path/rank-R.log; at exit kill those still running (by their own pids)."""
     port = free_port()
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for rank in range(world_size):
-            cmd = [sys.executable, "-m", "tests.e2e.fault_ranks", "--rank", str(rank)]
-            cmd += ["--world-size", str(world_size), "--master-port", str(port), "--url", collector.url]
-            cmd += ["--run", run, "--fault", fault, "--fault-rank", str(fault_rank)]
-            cmd += ["--fault-step", str(fault_step), "--steps", str(steps), "--data-ms", str(data_ms)]
-            cmd += ["--fault-data-ms", str(fault_data_ms)]
-            cmd += ["--deadline-s", str(deadline_s), "--spool-dir", str(tmp_path / "spool")]
-            cmd += ["--pause-s", str(pause_s)]
+            cmd = [sys.executable, "-m", module, "--rank", str(rank), "--world-size", str(world_size)]
+            cmd += ["--master-port", str(port), *args]
             with (tmp_path / f"rank-{rank}.log").open("ab") as log:
                 procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
         yield procs

@@ -16,14 +16,13 @@ deadline and the test kills what is left.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import require_module
-from tests.e2e.conftest import Collector, free_port
+from tests.e2e.conftest import Collector
 from tests.e2e.test_detection_real import anomalies, detection_idle, ranks, wait_finished
 
 require_module("torch")
@@ -37,14 +36,6 @@ PAUSE_STEP = 30  # the pause comes after step 29, before step 30
 STEPS = 60
 DEADLINE_S = 300.0  # each rank exits by itself after this: startup, 60 short steps and the pause, with margin
 WAIT_S = 280.0  # the longest the test waits for its ranks to finish
-
-
-@pytest.fixture(scope="module")
-def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Collector]:
-    tmp = tmp_path_factory.mktemp("unmarked_pauses")
-    c = Collector(f"sqlite:///{tmp / 'stepwatch.db'}", free_port(), tmp / "collector.log").start()
-    yield c
-    c.stop()
 
 
 def _run_with_pause(
