@@ -241,9 +241,9 @@ class StepwatchNoRingVariant(StepwatchVariant):
 
     def setup(self) -> None:
         super().setup()
-        collector = self.watch._collector  # private: a diagnostic, not an API
-        collector._ring.row = lambda modules: ()
-        collector._cur.row = ()
+        hooks = self.watch._hooks  # private: a diagnostic, not an API
+        hooks._ring.row = lambda modules: ()
+        hooks._cur.row = ()
         self.note += "; ring off"
 
 

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from stepwatch._collect import STEPS_PER_TRANSFER
+from stepwatch._hooks import STEPS_PER_TRANSFER
 from tests.conftest import REPO, require_module
 from tests.e2e.conftest import Collector, free_port
 

@@ -62,10 +62,12 @@ class Step:
     __slots__ = (
         "acts",
         "data_ms",
+        "discarded",
         "forwards",
         "fwd_end",
         "fwd_ms",
         "fwd_start",
+        "grad_mark",
         "grads",
         "hook_names",
         "host",
@@ -84,7 +86,7 @@ class Step:
         # which is non-finite exactly when an element is (or the sum overflows float32, ~3e38).
         self.acts: list[Act | None] = [None] * n_amax
         self.sampled = sampled
-        # 0-dim float32 views of one row of the collector's ring (`_collect.Ring`): where this step's
+        # 0-dim float32 views of one row of the collector's ring (`_hooks.Ring`): where this step's
         # grad norm (item 0) and per-module sums (item 1 + slot) are written, allocating nothing.
         self.row = row
         self.hook_names: list[str] = []  # names of the device scalars from the hooks (grad_norm, lr)
@@ -101,6 +103,8 @@ class Step:
         self.n_fwd = 0
         self.forwards: list[tuple[Any, Any]] = []  # CUDA: (start, end) events of each forward
         self.opt_start: Any = None
+        self.grad_mark: tuple[int, int] | None = None  # the probe gradient (id, version) at the last forward
+        self.discarded = False  # zero_grad() threw its gradients away before any optimizer step
 
     def record(self, step: int, ts: float, order: tuple[str, ...], missing: Missing) -> StepRecord:
         """The finished step, its device values in the order `StepRecord` documents."""

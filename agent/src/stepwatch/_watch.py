@@ -23,7 +23,7 @@ from ._version import __version__
 if TYPE_CHECKING:
     import torch
 
-    from ._collect import Collector
+    from ._hooks import Hooks
 
 logger = logging.getLogger("stepwatch")
 _LIVE: weakref.WeakSet[Watch] = weakref.WeakSet()
@@ -63,7 +63,7 @@ class Watch:
     def __init__(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Config, identity: Identity
     ) -> None:
-        from ._collect import Collector  # imports torch: only ever reached through attach()
+        from ._hooks import Hooks  # imports torch: only ever reached through attach()
 
         layout = _layout_of(model, identity)
         identity = with_layout(identity, layout, config)
@@ -90,10 +90,10 @@ class Watch:
             __version__,
             training_thread,
         )
-        self._collector: Collector | None = Collector(
+        self._hooks: Hooks | None = Hooks(
             model, optimizer, config, self._guard, self._live, self._sender.submit, layout
         )
-        self._sender.set_capacity_mb(self._collector.capacity_mb)
+        self._sender.set_capacity_mb(self._hooks.capacity_mb)
         self._sender.start()
         _LIVE.add(self)
         _register_process_hooks()
@@ -109,7 +109,7 @@ class Watch:
         return self._live.last_step
 
     def _usable(self) -> bool:
-        return not self._closed and not self._forked and self._collector is not None
+        return not self._closed and not self._forked and self._hooks is not None
 
     def log(self, **values: Any) -> None:
         """Record extra scalars (tensors or numbers) for the current step, without a device sync.
@@ -119,11 +119,11 @@ class Watch:
         in the model's output; `grad_norm=` replaces the hook's (which sees the grads after clipping).
         Do not modify a logged tensor in place afterwards: it is read when the step is handed over.
         """
-        collector = self._collector
-        if collector is None or self._closed or self._forked or "log" in self._guard.off:
+        hooks = self._hooks
+        if hooks is None or self._closed or self._forked or "log" in self._guard.off:
             return
         try:
-            collector.log(values)
+            hooks.log(values)
         except Exception as exc:
             self._guard.fail("log", exc)
 
@@ -134,7 +134,7 @@ class Watch:
         previous = self._live.phase
         if usable:
             try:
-                self._collector.pause(True)  # type: ignore[union-attr]
+                self._hooks.pause(True)  # type: ignore[union-attr]
                 self._live.phase = str(name)
                 self._sender.add_event("phase_start", {"phase": str(name)})
             except Exception as exc:
@@ -146,7 +146,7 @@ class Watch:
                 try:
                     self._sender.add_event("phase_end", {"phase": str(name)})
                     self._live.phase = previous
-                    self._collector.pause(False)  # type: ignore[union-attr]
+                    self._hooks.pause(False)  # type: ignore[union-attr]
                 except Exception as exc:
                     self._guard.fail("phase", exc)
 
@@ -164,10 +164,10 @@ class Watch:
         self._closed = True
         timeout = FLUSH_TIMEOUT_S if timeout_s is None else max(0.0, float(timeout_s))
         try:
-            collector, self._collector = self._collector, None
-            if collector is not None:
-                collector.remove()
-                collector.drain()
+            hooks, self._hooks = self._hooks, None
+            if hooks is not None:
+                hooks.remove()
+                hooks.drain()
         except Exception as exc:
             self._guard.fail("close", exc, disable=False)
         try:

@@ -68,7 +68,9 @@ class Ring:
         return self.rows[self.next]
 
 
-class Collector:
+class Hooks:
+    """The agent's hooks on one model and optimizer (the *collector* is the service they report to)."""
+
     def __init__(
         self,
         model: nn.Module,
@@ -130,6 +132,14 @@ class Collector:
             optimizer.register_step_pre_hook(self._on_step_pre),
             optimizer.register_step_post_hook(self._on_step_post),
         ]
+        # optimizer.zero_grad, seen through an instance attribute (removed again by remove()): gradients
+        # discarded after forwards with no optimizer step between are a skipped step (AMP's GradScaler
+        # skips optimizer.step() when they overflowed), recorded as such, not merged into the next one.
+        # Whether a backward ran since the last forward: the probe parameter's gradient changed (a new
+        # tensor, or one accumulated into). zero_grad between forward and backward is no skip.
+        self._probe = next((p for g in optimizer.param_groups for p in g["params"] if p.requires_grad), None)
+        self._zero_grad = optimizer.zero_grad
+        optimizer.zero_grad = self._on_zero_grad  # type: ignore[method-assign]
 
     def _capacity_mb(self) -> float | None:
         try:
@@ -204,6 +214,8 @@ class Collector:
         if self._paused or "steps" in self._off:
             return
         try:
+            if self._cur.discarded:  # a skipped step ends where the next one begins
+                self._end_skipped()
             cur = self._cur
             if not cur.n_fwd and cur.fwd_start is None:
                 self._finalize_and_maybe_transfer()
@@ -227,6 +239,7 @@ class Collector:
                 cur.fwd_end = end
                 cur.n_fwd += 1
                 cur.fwd_start = None
+            cur.grad_mark = self._grad_mark()
             self.live.phase = "backward"
             if "loss" not in self._off:
                 loss = find_loss(output)
@@ -247,7 +260,7 @@ class Collector:
             self.live.phase = "optimizer"
             cur = self._cur
             cur.opt_start = self._mark()
-            if "grads" not in self._off:
+            if "grads" not in self._off and not cur.discarded:  # discarded: read before zero_grad
                 self._grads(cur)
             for i, group in enumerate(optimizer.param_groups):
                 lr, name = group.get("lr"), ("lr" if i == 0 else f"lr.{i}")
@@ -261,6 +274,37 @@ class Collector:
                     cur.host[name] = float(lr)
         except Exception as exc:
             self.guard.fail("steps", exc)
+
+    def _on_zero_grad(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._paused and "steps" not in self._off:
+            try:
+                cur = self._cur
+                # Forwards and their backward, then the gradients discarded with no optimizer step: the
+                # update is skipped. Its record is made by what comes next: an optimizer.step() (a loop
+                # that skips by hand and steps anyway) or the next forward (GradScaler, which never calls
+                # optimizer.step() on overflow).
+                if (
+                    cur.n_fwd
+                    and cur.opt_start is None
+                    and not cur.discarded
+                    and self._grad_mark() != cur.grad_mark
+                ):
+                    if "grads" not in self._off:
+                        self._grads(cur)  # the overflowing gradients, before they are cleared
+                    cur.host["optimizer.skipped"] = 1.0
+                    cur.discarded = True
+            except Exception as exc:
+                self.guard.fail("steps", exc)
+        return self._zero_grad(*args, **kwargs)
+
+    def _end_skipped(self) -> None:
+        """The discarded step ends without an optimizer step: recorded as one, skipped."""
+        self._cur.opt_start = self._mark()
+        self._on_step_post(self.optimizer, (), {})
+
+    def _grad_mark(self) -> tuple[int, int] | None:
+        g = self._probe.grad if self._probe is not None else None
+        return None if g is None else (id(g), getattr(g, "_version", 0))
 
     def _grads(self, cur: Step) -> None:
         try:
@@ -402,6 +446,8 @@ class Collector:
 
     def drain(self) -> None:
         """At close: hand over every finished step."""
+        if self._cur.discarded:
+            self._end_skipped()
         self._finalize()
         self.transfer()
 
@@ -409,3 +455,5 @@ class Collector:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self.optimizer.__dict__.get("zero_grad") == self._on_zero_grad:
+            del self.optimizer.zero_grad
