@@ -174,7 +174,7 @@ def test_every_step_reports_its_own_grad_norm_and_activation_checks(
     watch = stepwatch.attach(model, opt, run="own-values", url=receiver.url, track=["blip"], **fast)
     gen = torch.Generator().manual_seed(3)
     norms = []
-    for _ in range(75):  # over four turns of the ring (_collect.RING_ROWS)
+    for _ in range(75):  # over four turns of the ring (_hooks.RING_ROWS)
         x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen) * 10
         model(x, y).backward()
         norms.append(float(nn.utils.get_total_norm([p.grad for p in model.parameters()])))
@@ -258,3 +258,57 @@ def test_tensor_learning_rate_and_param_groups(receiver: Receiver, fast: dict[st
     assert [records[s]["lr"] for s in (1, 2, 3)] == pytest.approx([0.01, 0.005, 0.01 / 3])
     assert [records[s]["lr.1"] for s in (1, 2, 3)] == pytest.approx([0.5, 0.25, 0.5 / 3])
     assert all(math.isfinite(records[s]["grad_norm"]) for s in (1, 2, 3))
+
+
+class _Overflow(torch.autograd.Function):
+    """Identity forward; in backward, Inf gradients when `on` (an fp16 gradient that overflowed)."""
+
+    on = False
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("inf") if _Overflow.on else grad
+
+
+@pytest.mark.parametrize("zero_grad_at", ["start", "end"])
+def test_a_step_the_grad_scaler_skips_is_its_own_record_marked_skipped(
+    receiver: Receiver, fast: dict[str, Any], zero_grad_at: str
+) -> None:
+    """AMP's GradScaler never calls optimizer.step() when the gradients overflowed: before, the skipped
+    iteration's forward was merged into the next step's (two forwards, the losses averaged). Now every
+    iteration is one record; the skipped ones carry `optimizer.skipped` = 1 and their non-finite
+    gradients, with a finite loss; the others carry no such metric. (zero_grad() at the start of the
+    iteration or after the step; called between forward and backward, a skip is still merged.)"""
+    model, opt = make_model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    watch = stepwatch.attach(model, opt, run="amp-skip", url=receiver.url, **fast)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for i in range(1, 13):
+        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen)
+        _Overflow.on = i in (5, 9, 10)
+        out = model.fc2(_Overflow.apply(model.act(model.fc1(x))))  # the hooks see fc1 and fc2, not the root
+        if zero_grad_at == "start":
+            opt.zero_grad()
+        loss = model(x, y)["loss"] + 0.0 * out.sum()  # the root forward, so the step is found
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        if zero_grad_at == "end":
+            opt.zero_grad()
+        losses.append(loss.item())
+    _Overflow.on = False
+    watch.close(timeout_s=5)
+    records = receiver.records()
+    assert receiver.steps() == list(range(1, 13))
+    skipped = [s for s, r in records.items() if r.get("optimizer.skipped") == 1]
+    assert skipped == [5, 9, 10]
+    for step, rec in records.items():
+        assert rec["loss"] == pytest.approx(losses[step - 1], rel=1e-6), step  # never two merged
+        assert rec["nonfinite.loss"] == 0
+        assert rec["nonfinite.grads"] == (1 if step in skipped else 0), (step, rec)
+    assert scaler.get_scale() == 2.0**10 / 8  # the scaler really skipped three times

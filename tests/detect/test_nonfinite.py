@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
+from stepwatch_server.detect import Anomaly, StepFrame
+from stepwatch_server.detect.context import RunContext
+from stepwatch_server.detect.detectors.nonfinite import NonFiniteDetector
 from stepwatch_server.simulate import SCENARIOS, Simulation
 from stepwatch_server.simulate.scenario import NonFinite
 from stepwatch_server.simulate.score import Score, score_scenario
@@ -65,3 +70,39 @@ def test_parameters_gone_is_one_run_wide_anomaly_that_stays_open() -> None:
 def test_clean_run_is_quiet() -> None:
     _, found = run_scenario(scenario("clean_8"), kinds=KINDS)
     assert found == []
+
+
+def _scaler_run(skipped_steps: set[int], steps: int = 80, ranks: int = 4) -> list[Anomaly]:
+    """A run whose grad scaler skipped `skipped_steps`: gradients Inf on every rank (after the
+    all-reduce), the loss finite, `optimizer.skipped` = 1 (what the agent records for such a step)."""
+    ctx = RunContext("r", ranks)
+    det = NonFiniteDetector(ctx, NonFiniteDetector.Settings())
+    seen: dict[int, Anomaly] = {}
+    for step in range(1, steps + 1):
+        skip = step in skipped_steps
+        metrics = {
+            "loss": np.full(ranks, 2.0),
+            "grad_norm": np.full(ranks, np.inf if skip else 1.0),
+            "nonfinite.loss": np.zeros(ranks),
+            "nonfinite.activations": np.zeros(ranks),
+            "nonfinite.grads": np.full(ranks, 1.0 if skip else 0.0),
+        }
+        if skip:
+            metrics["optimizer.skipped"] = np.ones(ranks)
+        det.on_frame(StepFrame("r", step, 1e9 + step, np.ones(ranks, dtype=bool), metrics))
+        for a in ctx.book.drain_changes():
+            seen.setdefault(a.local_id, a)
+    return list(seen.values())
+
+
+def test_a_step_the_grad_scaler_skips_now_and_then_is_no_anomaly() -> None:
+    """fp16 dynamic loss scaling overflows by design now and then (the scale grows until it does): a skipped
+    step with a finite loss is routine, not a NaN to look into (before: a warning each time)."""
+    assert _scaler_run({10, 40, 41}) == []
+
+
+def test_skips_in_a_row_are_a_collapsing_loss_scale_not_a_critical_nan() -> None:
+    (a,) = _scaler_run(set(range(30, 36)))
+    assert a.severity == "warning" and a.key == "run" and a.first_step == 32
+    assert "loss scale" in a.summary and "skipped" in a.summary, a.summary
+    assert a.evidence["skipped_steps"] >= 3

@@ -25,7 +25,10 @@ while open).
 Defaults: raised on the step itself (time-to-detect 0: there is nothing to wait for, a NaN is never
 noise). Critical when the loss or activations are non-finite, or when gradients overflow on
 `grads_critical_steps` steps in a row; a single-step gradient overflow with finite loss is what
-dynamic loss scaling (fp16 AMP) does routinely, so it is a warning. Resolved after `clear_steps`
+dynamic loss scaling (fp16 AMP) does routinely, so it is a warning. A step the grad scaler skipped
+(`optimizer.skipped` = 1 on the ranks with non-finite gradients, finite loss and activations) is no
+anomaly at all: the overflow the scaler exists for. `grads_critical_steps` skipped steps in a row are one
+run-level warning, the loss scale collapsing (evidence `skipped_steps`). Resolved after `clear_steps`
 clean steps (20: a NaN stretch that resumes after a few skipped steps is the same problem).
 At most `max_rank_anomalies` culprit ranks get an anomaly each (their health turns critical); more
 culprits than that is a run-wide failure, reported once for the run.
@@ -65,7 +68,8 @@ class NonFiniteDetector(Detector):
         n = ctx.world_size
         self._had_loss = np.zeros(n, dtype=bool)  # the rank has reported a finite loss before
         self._clean = np.zeros(n + 1, dtype=np.int64)  # clean frames since the last bad one (last: run)
-        self._grads_streak = 0
+        self._grads_streak = 0  # gradient-only overflows in a row that the optimizer still applied
+        self._skip_streak = 0  # steps in a row the grad scaler skipped
         self._modules: dict[str, str | None] = {}  # open key -> first module seen (events come once)
         self._steps: dict[str, int] = {}  # open key -> non-finite steps while open
 
@@ -95,12 +99,21 @@ class NonFiniteDetector(Detector):
         grads_only = culprits.size == 0
         if grads_only:
             culprits = np.flatnonzero(bad_grads)
-        self._grads_streak = self._grads_streak + 1 if grads_only and culprits.size else 0
+        # A step the grad scaler skipped (the agent's `optimizer.skipped`): the overflow it exists for.
+        skipped = (
+            grads_only and culprits.size > 0 and bool(self._flag(frame, "optimizer.skipped")[culprits].all())
+        )
+        self._skip_streak = self._skip_streak + 1 if skipped else 0
+        self._grads_streak = self._grads_streak + 1 if grads_only and culprits.size and not skipped else 0
+        if skipped and self._skip_streak < self.s.grads_critical_steps:
+            culprits = culprits[:0]  # routine: the scale comes down and training goes on
 
         bad_keys: set[str] = set()
         if culprits.size:
-            run_wide = culprits.size > self.s.max_rank_anomalies or (
-                culprits.size >= self.s.all_ranks_fraction * n and n > 1
+            run_wide = (
+                skipped
+                or culprits.size > self.s.max_rank_anomalies
+                or (culprits.size >= self.s.all_ranks_fraction * n and n > 1)
             )
             keys = [RUN_KEY] if run_wide else [f"rank:{int(r)}" for r in culprits]
             for key in keys:
@@ -137,7 +150,8 @@ class NonFiniteDetector(Detector):
         self._modules[key] = module
         self._steps[key] = self._steps.get(key, 0) + 1
         n_grads = int(bad_grads.sum())
-        critical = not grads_only or self._grads_streak >= self.s.grads_critical_steps
+        collapsing = grads_only and self._skip_streak >= self.s.grads_critical_steps
+        critical = not collapsing and (not grads_only or self._grads_streak >= self.s.grads_critical_steps)
         listed = [int(r) for r in culprits[:MAX_RANKS_LISTED]]
         evidence: dict[str, Any] = {
             "ranks": listed,
@@ -147,14 +161,21 @@ class NonFiniteDetector(Detector):
             "grads_ranks": n_grads,
             "steps": self._steps[key],
             "step": frame.step,
+            "skipped_steps": self._skip_streak,
         }
+        summary = self._summary(frame, rank, culprits, where, module, n_grads, grads_only)
+        if collapsing:
+            summary = (
+                f"the grad scaler skipped {self._skip_streak} optimizer steps in a row (gradients overflow, loss "
+                f"and activations finite): the loss scale is collapsing, training makes no progress"
+            )
         self.ctx.book.raise_(
             KIND,
             key,
             step=frame.step,
             ts=frame.ts,
             severity="critical" if critical else "warning",
-            summary=self._summary(frame, rank, culprits, where, module, n_grads, grads_only),
+            summary=summary,
             evidence=evidence,
             rank=rank,
             node=self.ctx.node[rank] if rank is not None else None,
