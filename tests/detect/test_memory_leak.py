@@ -19,24 +19,21 @@ KINDS = ("memory_leak",)
 
 
 def test_leak_is_found_with_its_slope() -> None:
-    # No capacity reported: the leak must grow by a quarter of the rank's memory within 8x the span it was
-    # seen over, or already by 5% of it.
-    _, anomalies = run_scenario(scenario("memory_leak_8", steps=3000), kinds=KINDS)
+    _, anomalies = run_scenario(scenario("memory_leak_8", steps=1500), kinds=KINDS)
     (a,) = anomalies
     assert a.rank == 3 and a.node == "gpu-000"
     assert 3.8 < a.evidence["mb_per_step"] < 4.2
-    assert 1000 <= a.detected_step <= 1700
+    assert 1000 <= a.detected_step <= 1400
     assert "capacity unknown" in a.summary
 
 
 def test_slow_leak_among_frequent_plateaus() -> None:
     sc = scenario(
-        "memory_leak_slow_128", world_size=32, steps=3000, faults=(MemoryLeak(20, 1500, mb_per_step=1.0),)
+        "memory_leak_slow_128", world_size=32, steps=2200, faults=(MemoryLeak(20, 1500, mb_per_step=1.0),)
     )
     _, anomalies = run_scenario(sc, kinds=KINDS)
-    # 512 MB of steady growth are needed (benign drift and allocator steps stay below), and no capacity is
-    # reported here: the rise must reach 5% of what the rank holds, ~1,300 steps at 1 MB/step.
-    assert [(a.rank, a.detected_step <= 3000) for a in anomalies] == [(20, True)]
+    # 512 MB of steady growth are needed (benign drift and allocator steps stay below): ~630 steps at 1 MB/step.
+    assert [(a.rank, a.detected_step <= 2200) for a in anomalies] == [(20, True)]
 
 
 def test_quiet_on_plateaus_and_warm_up() -> None:
@@ -118,10 +115,9 @@ def test_allocator_steps_and_a_sawtooth_are_not_leaks() -> None:
 
 def test_every_rank_leaking_is_one_run_level_anomaly_beside_a_faster_one() -> None:
     """A leak in the training code (every rank, 3 MB/step) is reported once for the run; a rank
-    that leaks 10x faster on top of it is its own anomaly, not hidden by the run-level one. (20 GB free
-    at 3 MB/step is ~6,700 steps away: a projection that far needs the 1,270-step window's evidence.)"""
-    alloc = _base(2500, 16, level_mb=60_000.0)
-    t = np.arange(1, 2501, dtype=np.float64)
+    that leaks 10x faster on top of it is its own anomaly, not hidden by the run-level one."""
+    alloc = _base(2000, 16, level_mb=60_000.0)
+    t = np.arange(1, 2001, dtype=np.float64)
     alloc += 3.0 * np.clip(t - 1000, 0, None)[:, None]
     alloc[:, 9] += 27.0 * np.clip(t - 1500, 0, None)
     _, anomalies = _run(alloc)
@@ -129,22 +125,22 @@ def test_every_rank_leaking_is_one_run_level_anomaly_beside_a_faster_one() -> No
     assert set(by_key) == {"run", "rank:9"}
     run = by_key["run"]
     assert run.rank is None and run.evidence["n_ranks"] == 16 and 2.9 < run.evidence["mb_per_step"] < 3.1
-    assert 1000 <= run.detected_step <= 2200
-    assert 1500 <= by_key["rank:9"].detected_step <= 1700
+    assert 1000 <= run.detected_step <= 1400
+    assert 1500 <= by_key["rank:9"].detected_step <= 1600
 
 
 def test_ranks_that_join_an_open_run_level_leak_one_by_one_raise_nothing_more() -> None:
     """A leak in the training code seen by 64 ranks at slightly different paces and starts (1.5-3
-    MB/step, starting over 600 steps): the ranks cross the bar one by one. Once the run-level anomaly is
+    MB/step for 800 steps, starting over 600 steps): the ranks cross the bar one by one. Once the run-level anomaly is
     open, a rank that crosses later is part of it, not an anomaly of its own, whatever the count of
     ranks leaking at that moment (before, each dip of the count below the run-level bar let the next
     ranks open their own: 18 rank-level alarms beside the run-level one on a 512-rank run)."""
-    steps, ranks = 2600, 64
+    steps, ranks = 2200, 64
     rng = np.random.default_rng(3)
     alloc = _base(steps, ranks, level_mb=60_000.0)
     t = np.arange(1, steps + 1, dtype=np.float64)[:, None]
     start = 600 + rng.integers(0, 600, ranks)
-    alloc += rng.uniform(1.5, 3.0, ranks) * np.clip(t - start, 0, None)
+    alloc += rng.uniform(1.5, 3.0, ranks) * np.clip(t - start, 0, 800)
     _, anomalies = _run(alloc)
     run = [a for a in anomalies if a.key == "run"]
     assert len(run) == 1, [a.summary for a in anomalies]
@@ -164,22 +160,21 @@ def test_a_sawtooth_with_an_allocator_step_under_it_is_not_a_leak() -> None:
 
 
 def test_a_slow_leak_is_judged_by_its_threat() -> None:
-    """1 MB/step on a rank 10 GB below capacity runs out in ~3 h at 1 s a step: a leak, once the window
-    it is seen over spans 1/8 of the steps to out-of-memory (the 1,270-step one). The same slope with 50
-    GB free (~14 h) is past the 12 h horizon: not yet."""
-    alloc = _base(3000, 3, level_mb=30_000.0)
-    alloc[:, 1] = _base(3000, 1, level_mb=71_500.0)[:, 0]
-    t = np.arange(1, 3001, dtype=np.float64)
+    """1 MB/step on a rank 10 GB below capacity runs out in ~3 h at 1 s a step: a leak. The same
+    slope with 50 GB free (~14 h) is past the 12 h horizon: not yet."""
+    alloc = _base(2500, 3, level_mb=30_000.0)
+    alloc[:, 1] = _base(2500, 1, level_mb=71_500.0)[:, 0]
+    t = np.arange(1, 2501, dtype=np.float64)
     alloc[:, [0, 1]] += 1.0 * np.clip(t - 1000, 0, None)[:, None]
     _, anomalies = _run(alloc, step_ms=1000.0)
     (a,) = anomalies
-    assert a.rank == 1 and a.detected_step <= 2200
+    assert a.rank == 1 and a.detected_step <= 1700
     assert 2.0 * 3600 < a.evidence["seconds_to_oom"] < 3.5 * 3600 and a.severity == "warning"
 
 
 def test_projection_to_out_of_memory_and_resolution() -> None:
     steps = np.arange(1, 1001, dtype=np.float64)
-    alloc = np.stack([np.full_like(steps, 70_000.0), 70_000.0 + 10.0 * np.minimum(steps, 600)], axis=1)
+    alloc = np.stack([np.full_like(steps, 70_000.0), 70_000.0 + 2.0 * np.minimum(steps, 600)], axis=1)
     ctx = RunContext("r", 2)
     det = MemoryLeakDetector(ctx, MemoryLeakDetector.Settings())
     for frame in _frames(alloc, capacity_mb=81_920.0):
@@ -188,7 +183,7 @@ def test_projection_to_out_of_memory_and_resolution() -> None:
         if frame.step == 500:
             (a,) = ctx.book.open.values()
             assert a.rank == 1 and a.evidence["capacity_mb"] == 81_920.0
-            expected = (81_920.0 - 75_000.0) / 10.0  # (capacity - current) / slope, roughly
+            expected = (81_920.0 - 71_000.0) / 2.0  # (capacity - current) / slope, roughly
             assert abs(a.evidence["steps_to_oom"] - expected) < 0.05 * expected
             assert a.evidence["seconds_to_oom"] == a.evidence["steps_to_oom"] * 1.0
             assert "out of memory in ~" in a.summary
@@ -242,30 +237,3 @@ def test_a_fast_sawtooth_climbing_back_to_its_old_peak_is_not_a_leak() -> None:
         (a.rank, a.first_step) for a in anomalies
     ]
     assert len(anomalies) <= 1
-
-
-def _sawtooth_or_leak(drops: bool) -> list[Anomaly]:
-    """heldout-016's shape: every node's local rank 0 (ranks 0 and 8 of 16) of a 62 GB rank on an 80 GB
-    device collects 2.1 GB over 378 steps (5.6 MB/step) from step 300, and lets it go (or never does)."""
-    t = np.arange(1, 2001, dtype=np.float64)
-    alloc = _base(2000, 16, level_mb=62_000.0)
-    rise = np.clip(t - 300, 0, None)
-    alloc[:, [0, 8]] += (5.6 * (rise % 378 if drops else rise))[:, None]
-    return _run(alloc, capacity_mb=81_251.0)[1]
-
-
-def test_the_first_rise_of_a_sawtooth_is_not_projected_far_beyond_what_it_showed() -> None:
-    """The sawtooth's first rise, seen over 310 steps, says "out of memory in ~3,400 steps" (~28 min at
-    0.5 s a step, inside the 12 h horizon): before, a warning on each of its ranks and on the run. A
-    projection now reaches no further than 8x the window it is drawn from, and the rise (2.8% of the
-    rank) is under the 5% that needs no projection."""
-    anomalies = _sawtooth_or_leak(drops=True)
-    assert anomalies == [], [a.summary for a in anomalies]
-
-
-def test_the_same_rise_that_never_drops_is_a_leak() -> None:
-    """Without the drop, the same pace is a leak once the 630-step window carries the projection or the
-    rise reaches 5% of the rank (~550 steps)."""
-    anomalies = _sawtooth_or_leak(drops=False)
-    assert sorted(a.rank for a in anomalies) == [0, 8]
-    assert all(300 < a.detected_step <= 300 + 700 for a in anomalies), [a.detected_step for a in anomalies]
