@@ -39,6 +39,14 @@ _f32 = torch.float32
 _perf = time.perf_counter
 
 
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """Run `hook` outside any torch.compile graph. The step hooks read clocks, hand steps to the sender
+    and keep Python state: traced, they would be folded into the graph or break it. On the compiled
+    model's own boundary they cost no graph break (tests/agent/test_stacks.py counts them)."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(hook) if callable(disable) else hook
+
+
 class Ring:
     """Preallocated float32 rows the per-step device values are written into (`out=`), so that the hooks
     allocate no tensor on most steps.
@@ -127,10 +135,10 @@ class Hooks:
         for name, module in tracked.items():
             self._handles.append(module.register_forward_hook(self._amax_hook(name)))
         self._handles += [
-            model.register_forward_pre_hook(self._on_forward_pre),
-            model.register_forward_hook(self._on_forward),
-            optimizer.register_step_pre_hook(self._on_step_pre),
-            optimizer.register_step_post_hook(self._on_step_post),
+            model.register_forward_pre_hook(_eager(self._on_forward_pre)),
+            model.register_forward_hook(_eager(self._on_forward)),
+            optimizer.register_step_pre_hook(_eager(self._on_step_pre)),
+            optimizer.register_step_post_hook(_eager(self._on_step_post)),
         ]
         # optimizer.zero_grad, seen through an instance attribute (removed again by remove()): gradients
         # discarded after forwards with no optimizer step between are a skipped step (AMP's GradScaler
