@@ -52,7 +52,7 @@ def test_200_steps_arrive_with_every_metric(receiver: Receiver, fast: dict[str, 
     assert watch.stats()["sent_steps"] == 200 and watch.stats()["internal_errors"] == 0
 
 
-def test_loss_found_as_scalar_and_as_attribute_and_averaged_over_micro_batches(
+def test_loss_found_as_scalar_attribute_tuple_or_dict_and_averaged_over_micro_batches(
     receiver: Receiver, fast: dict[str, Any]
 ) -> None:
     class Out:
@@ -66,10 +66,14 @@ def test_loss_found_as_scalar_and_as_attribute_and_averaged_over_micro_batches(
             self.style = style
 
         def forward(self, x: torch.Tensor) -> Any:
-            loss = self.lin(x).pow(2).mean()
-            return loss if self.style == "scalar" else Out(loss)
+            y = self.lin(x)
+            loss = y.pow(2).mean()
+            # (loss, logits): transformers' return_dict=False; {"loss": ...}: many trainers' own models
+            return {"scalar": loss, "attribute": Out(loss), "tuple": (loss, y), "dict": {"loss": loss}}[
+                self.style
+            ]
 
-    for style in ("scalar", "attribute"):
+    for style in ("scalar", "attribute", "tuple", "dict"):
         net = Net(style)
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         watch = stepwatch.attach(net, opt, run=f"loss-{style}", url=receiver.url, **fast)
@@ -78,7 +82,12 @@ def test_loss_found_as_scalar_and_as_attribute_and_averaged_over_micro_batches(
             micro = []
             for _ in range(2):  # two micro-batches per optimizer step
                 out = net(torch.randn(3, 4))
-                loss = out if style == "scalar" else out.loss
+                if style == "scalar":
+                    loss = out
+                elif style == "tuple":
+                    loss = out[0]
+                else:
+                    loss = out["loss"] if style == "dict" else out.loss
                 loss.backward()
                 micro.append(loss.item())
             opt.step()

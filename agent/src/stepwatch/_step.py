@@ -23,7 +23,10 @@ Act = Pair | torch.Tensor  # (min, max) on a sampled step; the float32 sum on an
 
 
 def find_loss(output: Any) -> torch.Tensor | None:
-    """The loss in a model's output: a scalar tensor, an object with `.loss`, or a mapping with "loss"."""
+    """The loss in a model's output: a scalar tensor, an object with `.loss`, a mapping with "loss", or a
+    tuple or list whose first item is a scalar (transformers' `return_dict=False` order: loss first)."""
+    if isinstance(output, tuple | list) and output and not hasattr(output, "loss"):
+        output = output[0]
     if not isinstance(output, torch.Tensor):
         output = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     if isinstance(output, torch.Tensor) and output.numel() == 1 and output.is_floating_point():
