@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import stepwatch
+from stepwatch._guard import Counters
+from stepwatch._transport import Outcome, Transport
 
 from .conftest import Receiver, free_port, make_model, train
 from .contract import validate
@@ -184,3 +190,67 @@ def test_spool_stays_within_its_bound(fast: dict[str, Any], tmp_path: Path) -> N
     assert watch.stats()["dropped_spool_full"] >= 1
     assert not [p for p in directory.iterdir() if p.name.startswith(".")]  # no temporary files left
     assert os.access(directory, os.W_OK)
+
+
+class _KeepAlive:
+    """An HTTP/1.1 server on loopback that keeps connections open, counts them, and can drop them all
+    (as a collector closes idle ones)."""
+
+    def __init__(self) -> None:
+        owner = self
+        self.connections = 0
+        self.requests = 0
+        self.sockets: list[Any] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def setup(self) -> None:
+                super().setup()
+                owner.connections += 1
+                owner.sockets.append(self.connection)
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                owner.requests += 1
+                body = b'{"accepted": true}'
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/api/v1/ingest"
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05})
+        self.thread.start()
+
+    def drop_connections(self) -> None:
+        for s in self.sockets:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+        self.sockets.clear()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+def test_batches_share_one_kept_alive_connection_and_survive_the_collector_closing_it() -> None:
+    server = _KeepAlive()
+    transport = Transport(server.url, None, 2.0, threading.Event(), Counters())
+    try:
+        results = [transport.post_once(b"x" * 100, 2.0).outcome for _ in range(20)]
+        assert results == [Outcome.SENT] * 20 and server.requests == 20
+        assert server.connections == 1 and transport.connections == 1  # one TCP handshake, not 20
+        server.drop_connections()  # the collector closes the idle connection
+        time.sleep(0.1)
+        assert transport.post_once(b"y", 2.0).outcome is Outcome.SENT  # sent again on a new one
+        assert server.requests == 21 and transport.connections == 2
+    finally:
+        transport.close()
+        server.stop()

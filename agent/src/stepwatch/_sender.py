@@ -128,6 +128,7 @@ class Sender:
             self.guard.fail("sender", exc, disable=False)
         finally:
             self._stacks.close()
+            self._transport.close()
 
     def _take_ready(self, wait_until: float | None = None) -> None:
         """Decode the chunks whose device copy completed, in order."""

@@ -56,7 +56,10 @@ def _message(status: int, body: bytes) -> str:
 
 
 class Transport:
-    """POSTs gzip JSON bodies to `{url}/api/v1/ingest`; one connection per request."""
+    """POSTs gzip JSON bodies to `{url}/api/v1/ingest` over one kept-alive connection (sender thread
+    only). A connection the collector closed while idle is noticed on the next request, which is sent
+    again at once on a new one; any other failure, a non-2xx answer or an answer that says it closes
+    drops the connection."""
 
     def __init__(
         self, ingest_url: str, token: str | None, timeout_s: float, stop: threading.Event, counters: Counters
@@ -76,30 +79,58 @@ class Transport:
         self.timeout_s = timeout_s
         self._stop = stop
         self._counters = counters
+        self._conn: http.client.HTTPConnection | None = None
+        self.connections = 0  # opened so far (tests/agent/test_transport.py)
+
+    def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
+        conn = self._conn
+        if conn is None:
+            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+            conn = self._conn = cls(self._host, self._port, timeout=timeout_s)
+            self.connections += 1
+        else:
+            conn.timeout = timeout_s
+            if conn.sock is not None:
+                conn.sock.settimeout(timeout_s)
+        return conn
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
 
     def post_once(self, body: bytes, timeout_s: float) -> Result:
-        cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-        conn = cls(self._host, self._port, timeout=max(0.05, timeout_s))
-        try:
-            conn.request("POST", self._path, body=body, headers=self._headers)
-            answer = conn.getresponse()
-            data = answer.read(MAX_ANSWER_BYTES)
-            status = answer.status
-            if 200 <= status < 300:
-                return Result(Outcome.SENT, status)
-            if status in RETRY_STATUSES or status >= 500:
-                return Result(
-                    Outcome.UNAVAILABLE,
-                    status,
-                    _message(status, data),
-                    _retry_after(answer.getheader("Retry-After")),
-                )
-            return Result(Outcome.REJECTED, status, _message(status, data))
-        except (OSError, http.client.HTTPException) as exc:  # refused, reset, timeout, DNS, bad answer
-            kind = "timed out" if isinstance(exc, socket.timeout | TimeoutError) else type(exc).__name__
-            return Result(Outcome.UNAVAILABLE, None, f"{kind}: {exc}")
-        finally:
-            conn.close()
+        timeout_s = max(0.05, timeout_s)
+        for attempt in range(2):
+            reused = self._conn is not None
+            conn = self._connection(timeout_s)
+            try:
+                conn.request("POST", self._path, body=body, headers=self._headers)
+                answer = conn.getresponse()
+                data = answer.read(MAX_ANSWER_BYTES)
+                status = answer.status
+                if not 200 <= status < 300 or answer.will_close or not answer.isclosed():
+                    self.close()  # a failure, a closing answer, or one longer than we read
+                if 200 <= status < 300:
+                    return Result(Outcome.SENT, status)
+                if status in RETRY_STATUSES or status >= 500:
+                    return Result(
+                        Outcome.UNAVAILABLE,
+                        status,
+                        _message(status, data),
+                        _retry_after(answer.getheader("Retry-After")),
+                    )
+                return Result(Outcome.REJECTED, status, _message(status, data))
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
+                self.close()
+                if reused and attempt == 0:  # the collector closed the idle connection: a new one
+                    continue
+                return Result(Outcome.UNAVAILABLE, None, f"{type(exc).__name__}: {exc}")
+            except (OSError, http.client.HTTPException) as exc:  # refused, timeout, DNS, bad answer
+                self.close()
+                kind = "timed out" if isinstance(exc, socket.timeout | TimeoutError) else type(exc).__name__
+                return Result(Outcome.UNAVAILABLE, None, f"{kind}: {exc}")
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def post(self, body: bytes, deadline: float, retry: bool = True, closing: bool = False) -> Result:
         """Send until acknowledged, rejected or the deadline. Backoff sleeps end early when `stop` is
