@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -252,3 +254,27 @@ def test_close_tells_the_collector_the_session_ended(receiver: Receiver, fast: d
     events = [e for b in receiver.data_batches() for e in b.get("events", [])]
     assert [e["kind"] for e in events if e["kind"] == "session_end"] == ["session_end"]
     assert events[-1]["kind"] == "session_end" and events[-1]["step"] == 3
+
+
+def test_a_watched_model_can_be_deep_copied_and_saved_whole_and_its_copy_reports_nothing(
+    receiver: Receiver, fast: dict[str, Any], tmp_path: Path
+) -> None:
+    """`ema = copy.deepcopy(model)` (diffusion and RL training do it all the time) and `torch.save(model)`
+    copy the model's hooks with it: before, they dragged the agent's threads and locks along and raised
+    "cannot pickle '_thread.lock' object" in the user's code. A copy is not the watched model: its hooks
+    are no-ops, and training the copy (or the reloaded model) adds nothing to the watched run."""
+    model, opt = make_model()
+    watch = stepwatch.attach(model, opt, run="copies", url=receiver.url, **fast)
+    train(model, opt, 3)
+    ema = copy.deepcopy(model)
+    opt_copy = copy.deepcopy(opt)
+    torch.save(model, tmp_path / "whole.pt")
+    reloaded = torch.load(tmp_path / "whole.pt", weights_only=False)
+    for other in (ema, reloaded):
+        other_opt = torch.optim.SGD(other.parameters(), lr=0.01)
+        train(other, other_opt, 4)  # the copies' hooks are inert: no steps for the watched run
+    assert "zero_grad" not in opt_copy.__dict__  # the agent's zero_grad watch stays on the original
+    train(model, opt, 2)
+    watch.close(timeout_s=5)
+    assert receiver.steps() == [1, 2, 3, 4, 5]
+    assert watch.stats()["internal_errors"] == 0

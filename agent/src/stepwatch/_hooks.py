@@ -47,6 +47,36 @@ def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
     return disable(hook) if callable(disable) else hook
 
 
+def _noop(*args: Any, **kwargs: Any) -> None:
+    """What a hook becomes in a copy of the model (copy.deepcopy, torch.save of the whole module)."""
+
+
+def _inert() -> Callable[..., None]:
+    return _noop
+
+
+class _EagerHook:
+    """A step hook (root forward, optimizer step): run outside any compiled graph, and inert in a copy.
+
+    `copy.deepcopy(model)` (an EMA model, a target network) and `torch.save(model)` copy the model's
+    hooks with it; a hook that holds the agent would drag its threads and locks along and fail ("cannot
+    pickle '_thread.lock'"), breaking the user's code. A copy is not the watched model: its hooks
+    become no-ops."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    __call__ = _eager(_call)  # the whole call, so torch.compile never traces into it
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_inert, ())
+
+
 class Ring:
     """Preallocated float32 rows the per-step device values are written into (`out=`), so that the hooks
     allocate no tensor on most steps.
@@ -135,10 +165,10 @@ class Hooks:
         for name, module in tracked.items():
             self._handles.append(module.register_forward_hook(self._amax_hook(name)))
         self._handles += [
-            model.register_forward_pre_hook(_eager(self._on_forward_pre)),
-            model.register_forward_hook(_eager(self._on_forward)),
-            optimizer.register_step_pre_hook(_eager(self._on_step_pre)),
-            optimizer.register_step_post_hook(_eager(self._on_step_post)),
+            model.register_forward_pre_hook(_EagerHook(self._on_forward_pre)),
+            model.register_forward_hook(_EagerHook(self._on_forward)),
+            optimizer.register_step_pre_hook(_EagerHook(self._on_step_pre)),
+            optimizer.register_step_post_hook(_EagerHook(self._on_step_post)),
         ]
         # optimizer.zero_grad, seen through an instance attribute (removed again by remove()): gradients
         # discarded after forwards with no optimizer step between are a skipped step (AMP's GradScaler
@@ -172,44 +202,8 @@ class Hooks:
             return event
         return _perf()
 
-    def _amax_hook(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
-        off, slots = self._off, self._slots
-
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self._paused or (off and ("steps" in off or "amax" in off)) or not _grad_enabled():
-                return
-            try:
-                out = output if isinstance(output, torch.Tensor) else first_tensor(output)
-                if out is None or not out.is_floating_point() or out.numel() == 0:
-                    return
-                slot = slots.get(name)
-                if slot is None:
-                    slot = slots[name] = len(self._order)
-                    self._order += (name,)
-                    self._cur.acts.append(None)
-                cur = self._cur
-                acts, old = cur.acts, cur.acts[slot]
-                if cur.sampled:
-                    # min and max in one pass (NaN propagates into both); the host takes
-                    # amax = max(-min, max). Cheaper than vector_norm(x, inf) on CPU, no abs/neg kernels.
-                    pair: tuple[torch.Tensor, torch.Tensor] = _aminmax(out.detach())
-                    if old is not None:  # called again this step (micro-batches, shared modules)
-                        pair = (torch.minimum(old[0], pair[0]), torch.maximum(old[1], pair[1]))
-                    acts[slot] = pair
-                else:
-                    # Other steps only need "was anything non-finite": one float32 sum, a single
-                    # output and about half the work of aminmax (NaN and Inf propagate into it),
-                    # written into this step's ring row.
-                    row = cur.row
-                    if old is None and slot + 1 < len(row) and out.device == self.device:
-                        acts[slot] = _sum(out.detach(), None, dtype=_f32, out=row[slot + 1])
-                    else:
-                        total = out.detach().sum(dtype=_f32)
-                        acts[slot] = total if old is None else old + total  # type: ignore[operator]
-            except Exception as exc:
-                self.guard.fail("amax", exc)
-
-        return hook
+    def _amax_hook(self, name: str) -> AmaxHook:
+        return AmaxHook(self, name)
 
     def _on_forward_pre(self, module: nn.Module, args: Any) -> None:
         # Counted first, paused or not: two int increments, the only work a no-grad forward costs. The
@@ -465,3 +459,54 @@ class Hooks:
         self._handles = []
         if self.optimizer.__dict__.get("zero_grad") == self._on_zero_grad:
             del self.optimizer.zero_grad
+
+
+class AmaxHook:
+    """The forward hook on one tracked module: its output's (min, max) on sampled steps, a float32 sum
+    (non-finite exactly when an element is) on the others. Traced by torch.compile (no Python state
+    beyond appends), inert in a copy of the model (see _EagerHook)."""
+
+    __slots__ = ("hooks", "name")
+
+    def __init__(self, hooks: Hooks, name: str) -> None:
+        self.hooks, self.name = hooks, name
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_inert, ())
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        hooks = self.hooks
+        off = hooks._off
+        if hooks._paused or (off and ("steps" in off or "amax" in off)) or not _grad_enabled():
+            return
+        try:
+            out = output if isinstance(output, torch.Tensor) else first_tensor(output)
+            if out is None or not out.is_floating_point() or out.numel() == 0:
+                return
+            slots = hooks._slots
+            slot = slots.get(self.name)
+            if slot is None:
+                slot = slots[self.name] = len(hooks._order)
+                hooks._order += (self.name,)
+                hooks._cur.acts.append(None)
+            cur = hooks._cur
+            acts, old = cur.acts, cur.acts[slot]
+            if cur.sampled:
+                # min and max in one pass (NaN propagates into both); the host takes
+                # amax = max(-min, max). Cheaper than vector_norm(x, inf) on CPU, no abs/neg kernels.
+                pair: tuple[torch.Tensor, torch.Tensor] = _aminmax(out.detach())
+                if old is not None:  # called again this step (micro-batches, shared modules)
+                    pair = (torch.minimum(old[0], pair[0]), torch.maximum(old[1], pair[1]))
+                acts[slot] = pair
+            else:
+                # Other steps only need "was anything non-finite": one float32 sum, a single
+                # output and about half the work of aminmax (NaN and Inf propagate into it),
+                # written into this step's ring row.
+                row = cur.row
+                if old is None and slot + 1 < len(row) and out.device == hooks.device:
+                    acts[slot] = _sum(out.detach(), None, dtype=_f32, out=row[slot + 1])
+                else:
+                    total = out.detach().sum(dtype=_f32)
+                    acts[slot] = total if old is None else old + total  # type: ignore[operator]
+        except Exception as exc:
+            hooks.guard.fail("amax", exc)
