@@ -41,7 +41,9 @@ def test_forwards_and_nograd_forwards_count_every_root_forward(
     with watch.phase("eval"), torch.no_grad():  # a marked pause's forwards are forwards too
         model(torch.randn(2, 8))
     model.fc1(torch.randn(2, 8))  # a submodule alone: not a forward of the watched model
-    assert receiver.wait_for(lambda: _last_heartbeat(receiver).get("forwards") == 14, 5)
+    assert receiver.wait_for(
+        lambda: _last_heartbeat(receiver).get("forwards") == 14, 15
+    )  # bounded; heartbeats every 0.2 s
     hb = _last_heartbeat(receiver)
     assert (hb["forwards"], hb["nograd_forwards"], hb["last_step"]) == (14, 9, 5)
     watch.close(timeout_s=5)
