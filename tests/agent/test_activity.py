@@ -23,7 +23,9 @@ BLOCKED_S = 1.0  # how long the training thread sits in slow_fetch (heartbeats e
 
 
 def _last_heartbeat(receiver: Receiver) -> dict[str, Any]:
-    return dict(receiver.accepted()[-1]["heartbeat"])
+    """The newest accepted batch's heartbeat ({} before the first batch arrived)."""
+    accepted = receiver.accepted()
+    return dict(accepted[-1]["heartbeat"]) if accepted else {}
 
 
 def test_forwards_and_nograd_forwards_count_every_root_forward(
@@ -41,8 +43,8 @@ def test_forwards_and_nograd_forwards_count_every_root_forward(
     with watch.phase("eval"), torch.no_grad():  # a marked pause's forwards are forwards too
         model(torch.randn(2, 8))
     model.fc1(torch.randn(2, 8))  # a submodule alone: not a forward of the watched model
-    assert receiver.wait_for(
-        lambda: _last_heartbeat(receiver).get("forwards") == 14, 15
+    assert receiver.wait_for(lambda: _last_heartbeat(receiver).get("forwards") == 14, 15), _last_heartbeat(
+        receiver
     )  # bounded; heartbeats every 0.2 s
     hb = _last_heartbeat(receiver)
     assert (hb["forwards"], hb["nograd_forwards"], hb["last_step"]) == (14, 9, 5)

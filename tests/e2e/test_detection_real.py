@@ -12,6 +12,7 @@ ranks blocked in their all-reduce).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -70,8 +71,10 @@ def rank_processes(
         for rank in range(world_size):
             cmd = [sys.executable, "-m", module, "--rank", str(rank), "--world-size", str(world_size)]
             cmd += ["--master-port", str(port), *args]
+            # A rank that dies in C (a segfault) leaves its Python stacks in its log, not an empty file.
+            env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
             with (tmp_path / f"rank-{rank}.log").open("ab") as log:
-                procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+                procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env))
         yield procs
     finally:
         for p in procs:

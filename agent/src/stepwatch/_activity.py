@@ -88,7 +88,9 @@ class StackReader:
         if module is None and time.monotonic() - self._refreshed > MODULES_REFRESH_S:
             self._refreshed = time.monotonic()
             found: dict[str, str] = {}
-            for name, mod in list(sys.modules.items()):
+            # dict.copy() is one C call: the training thread importing meanwhile cannot change the dict
+            # under it (iterating sys.modules from this thread raised "changed size during iteration").
+            for name, mod in sys.modules.copy().items():
                 file = getattr(mod, "__file__", None)
                 if isinstance(file, str):
                     found[file] = name
