@@ -30,28 +30,12 @@ from stepwatch_server.simulate import Detection, Label, Scenario, Simulation
 from stepwatch_server.simulate.world import SPLITS
 from stepwatch_server.simulate.world import split as world_split
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _refs import worktree
+
 REPO = Path(__file__).resolve().parent.parent
 REPLAY = Path(__file__).resolve().parent / "_ref_replay.py"
 NEW_HEARTBEAT_FIELDS = ("forwards", "nograd_forwards", "stack")
-
-
-def worktree(ref: str) -> Path:
-    """A detached worktree of `ref` under /tmp (made once)."""
-    sha = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "--verify", f"{ref}^{{commit}}"],
-        check=True, capture_output=True, text=True,
-    ).stdout.strip()  # fmt: skip
-    path = Path("/tmp") / f"stepwatch-ref-{sha[:12]}"
-    if not (path / "service" / "src" / "stepwatch_server").is_dir():
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), sha], check=True)
-    head = subprocess.run(
-        ["git", "-C", str(path), "rev-parse", "HEAD"], check=True, capture_output=True, text=True
-    )
-    if head.stdout.strip() != sha:
-        raise SystemExit(
-            f"{path} is at {head.stdout.strip()[:12]}, not {sha[:12]}: remove it (git worktree remove)"
-        )
-    return path
 
 
 def knows_activity(tree: Path) -> bool:

@@ -8,9 +8,11 @@ launches its kernels. Each measurement is one child process that trains `--steps
 loopback (bench/_servers.py) with default settings.
 
 Reported per N: the median of the bare children's medians, of the attached ones', and the added host
-time per step (attached - bare), with the per-module share.
+time per step (attached - bare), with the per-module share. With `--ref REF` a third child per round
+runs the agent of that commit (a detached worktree under /tmp, bench/_refs.py) in the same rotation,
+so that old and new are measured side by side against the same bare children.
 
-    .venv/bin/python bench/host_cost.py [--n 12,100,500] [--rounds 5] [--steps 600] [--json OUT]
+    .venv/bin/python bench/host_cost.py [--n 12,100,500] [--rounds 5] [--steps 600] [--ref REF] [--json OUT]
 
 Targets (issue 13): added <= 60 us at N=12, <= 300 us at N=100, <= 1.2 ms at N=500.
 """
@@ -61,11 +63,11 @@ print(json.dumps({"median_s": statistics.median(times[warmup:])}))
 """
 
 
-def child(n: int, steps: int, warmup: int, url: str, spool: str) -> float:
+def child(n: int, steps: int, warmup: int, url: str, spool: str, agent_src: Path) -> float:
     out = subprocess.run(
         [sys.executable, "-c", CHILD, str(n), str(steps), str(warmup), url, spool],
         capture_output=True, text=True, timeout=600, cwd=REPO,
-        env={"PYTHONPATH": f"{REPO / 'agent' / 'src'}", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+        env={"PYTHONPATH": str(agent_src), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     if out.returncode != 0:
         raise RuntimeError(f"child failed ({out.returncode}): {out.stderr[-2000:]}")
@@ -78,36 +80,45 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--ref", help="also measure the agent of this commit, interleaved (e.g. HEAD~1)")
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
     sizes = [int(x) for x in a.n.split(",")]
+    here = REPO / "agent" / "src"
+    agents = [("attached", here)]
+    if a.ref:
+        from _refs import worktree
+
+        agents.append((f"attached@{a.ref}", worktree(a.ref) / "agent" / "src"))
     results: list[dict[str, Any]] = []
     with _servers.stub() as receiver:
         spool = str(Path("/tmp") / f"stepwatch-host-cost-{int(time.time())}")
         for n in sizes:
-            bare: list[float] = []
-            attached: list[float] = []
+            kinds = [("bare", "-", here), *((name, receiver.url, src) for name, src in agents)]
+            times: dict[str, list[float]] = {name: [] for name, _, _ in kinds}
             for r in range(a.rounds):
-                order = [("bare", "-"), ("attached", receiver.url)]
-                if r % 2:
-                    order.reverse()
-                for name, url in order:
-                    (bare if name == "bare" else attached).append(child(n, a.steps, a.warmup, url, spool))
-                print(f"N={n} round {r + 1}/{a.rounds}: bare {bare[-1] * 1e6:.0f} us, attached "
-                      f"{attached[-1] * 1e6:.0f} us", file=sys.stderr, flush=True)  # fmt: skip
-            b, t = statistics.median(bare), statistics.median(attached)
-            added_us = (t - b) * 1e6
-            results.append({
-                "n": n, "bare_us": round(b * 1e6, 1), "attached_us": round(t * 1e6, 1),
-                "added_us": round(added_us, 1), "per_module_us": round(added_us / n, 2),
-                "target_us": TARGETS_US.get(n), "rounds": a.rounds, "steps": a.steps,
-            })  # fmt: skip
-    print("| tracked Linear modules | bare step | attached step | added per step | per module | target |")
-    print("|---:|---:|---:|---:|---:|---:|")
+                for name, url, src in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:  # rotated
+                    times[name].append(child(n, a.steps, a.warmup, url, spool, src))
+                print(f"N={n} round {r + 1}/{a.rounds}: " + ", ".join(
+                    f"{name} {t[-1] * 1e6:.0f} us" for name, t in times.items()), file=sys.stderr, flush=True)  # fmt: skip
+            b = statistics.median(times["bare"])
+            for name, _ in agents:
+                t = statistics.median(times[name])
+                added_us = (t - b) * 1e6
+                results.append({
+                    "n": n, "agent": name, "bare_us": round(b * 1e6, 1), "attached_us": round(t * 1e6, 1),
+                    "added_us": round(added_us, 1), "added_share": round((t - b) / b, 4),
+                    "per_module_us": round(added_us / n, 2), "target_us": TARGETS_US.get(n),
+                    "rounds": a.rounds, "steps": a.steps,
+                })  # fmt: skip
+    print("| tracked Linear modules | agent | bare step | attached step | added per step | share of bare "
+          "| per module | target |")  # fmt: skip
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for row in results:
         target = f"<= {row['target_us']:.0f} us" if row["target_us"] else "-"
-        print(f"| {row['n']} | {row['bare_us']:.0f} us | {row['attached_us']:.0f} us | "
-              f"{row['added_us']:.0f} us | {row['per_module_us']:.2f} us | {target} |")  # fmt: skip
+        print(f"| {row['n']} | {row['agent']} | {row['bare_us']:.0f} us | {row['attached_us']:.0f} us | "
+              f"{row['added_us']:.0f} us | {row['added_share']:.1%} | {row['per_module_us']:.2f} us | "
+              f"{target} |")  # fmt: skip
     if a.json:
         a.json.write_text(json.dumps({"results": results}, indent=2))
     return 0

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import stepwatch
+from stepwatch._hooks import Tap
 
 from .conftest import REPO_AGENT_SRC, Receiver, make_model, train
 
@@ -270,11 +271,49 @@ def test_a_watched_model_can_be_deep_copied_and_saved_whole_and_its_copy_reports
     opt_copy = copy.deepcopy(opt)
     torch.save(model, tmp_path / "whole.pt")
     reloaded = torch.load(tmp_path / "whole.pt", weights_only=False)
+    x = torch.randn(4, model.fc1.in_features)
     for other in (ema, reloaded):
+        # a tracked module's forward is a tap on the watched model; its copy gets the plain forward back
+        assert isinstance(model.fc1.__dict__.get("forward"), Tap)
+        assert not any(isinstance(m.__dict__.get("forward"), Tap) for m in other.modules())
+        torch.testing.assert_close(other(x), model(x))
         other_opt = torch.optim.SGD(other.parameters(), lr=0.01)
         train(other, other_opt, 4)  # the copies' hooks are inert: no steps for the watched run
     assert "zero_grad" not in opt_copy.__dict__  # the agent's zero_grad watch stays on the original
     train(model, opt, 2)
     watch.close(timeout_s=5)
+    assert not any("forward" in m.__dict__ for m in model.modules())  # close() gave the forwards back
     assert receiver.steps() == [1, 2, 3, 4, 5]
     assert watch.stats()["internal_errors"] == 0
+
+
+def test_a_forward_someone_else_wrapped_is_kept_and_given_back_at_close(
+    receiver: Receiver, fast: dict[str, Any]
+) -> None:
+    """Libraries (accelerate's hooks, users' patches) set a module's `forward` as an instance attribute
+    too. One set before attach is wrapped and restored at close; one set over the agent's tap after
+    attach is left in place at close, its tap inert."""
+    model, opt = make_model()
+    plain = model.fc2.forward
+
+    def theirs(x: torch.Tensor) -> torch.Tensor:
+        return plain(x) * 2.0
+
+    model.fc2.forward = theirs  # type: ignore[method-assign]
+    watch = stepwatch.attach(model, opt, run="wrapped", url=receiver.url, amax_every=1, **fast)
+    tap = model.fc1.forward
+    assert isinstance(tap, Tap)
+
+    def over(x: torch.Tensor) -> torch.Tensor:
+        return tap(x)
+
+    model.fc1.forward = over  # type: ignore[method-assign]
+    train(model, opt, 3)
+    watch.close(timeout_s=5)
+    assert model.fc2.__dict__["forward"] is theirs and model.fc1.__dict__["forward"] is over
+    assert tap.hooks is None  # inert: the model still runs through it, reporting nothing
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(model(x), plain(model.act(model.fc1(x))) * 2.0)
+    amax = [b["tensors"]["stats"]["amax"] for b in receiver.accepted() if "tensors" in b]
+    assert amax and all(set(a) == {"fc1", "fc2"} for a in amax)
+    assert receiver.steps() == [1, 2, 3]

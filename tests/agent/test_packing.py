@@ -8,25 +8,20 @@ import math
 
 import torch
 
-from stepwatch import _batch
+from stepwatch import _batch, _device
 from stepwatch._device import transfer
 from stepwatch._step import Step
 
 
 def _step_with(
-    acts: list[tuple[float, float] | float | None], loss: float, logs: dict[str, torch.Tensor]
+    calls: list[tuple[int, float]], loss: float, logs: dict[str, torch.Tensor], sampled: bool
 ) -> Step:
-    """A finished step; `acts` are (min, max) pairs for a sampled step, float32 sums for another."""
-    sampled = any(isinstance(a, tuple) for a in acts)
-    step = Step(len(acts), sampled)
-    step.acts = [
-        None
-        if a is None
-        else (torch.tensor(a[0]), torch.tensor(a[1]))
-        if isinstance(a, tuple)
-        else torch.tensor(a)
-        for a in acts
-    ]
+    """A finished step: `calls` are the tracked modules' calls in call order, (slot, max |x|), reduced
+    in groups of two as `Hooks.flush` would."""
+    step = Step(sampled)
+    step.calls = [slot for slot, _ in calls]
+    values = [a for _, a in calls]
+    step.amax = [torch.tensor(values[i : i + 2]) for i in range(0, len(values), 2)]
     step.hook_names.append("grad_norm")
     step.scalars.append(torch.tensor(3.0))
     step.loss_sum, step.loss_n = torch.tensor(loss * 2), 2  # two micro-batches
@@ -36,46 +31,102 @@ def _step_with(
 
 
 def test_records_round_trip_through_one_tensor() -> None:
-    missing = (torch.tensor(1.0), torch.tensor(-1.0), torch.tensor(0.0))
-    order = ("a", "b")
-    first = _step_with([(-2.0, 1.5), None], 4.0, {"tokens": torch.tensor(7.0, dtype=torch.float64)})
+    order = ("a", "b", "c")
+    # a called twice (micro-batches, or a recompute in backward): its max over both calls; c never ran
+    first = _step_with(
+        [(0, 2.0), (1, 1.5), (0, 2.5)], 4.0, {"tokens": torch.tensor(7.0, dtype=torch.float64)}, True
+    )
     first.grads = (torch.tensor([1.0, 2.0]), ("w", "b"))
-    rec1 = first.record(10, 1.0, order, missing)
+    rec1 = first.record(10, 1.0, order)
     rec1.vectors.append(torch.tensor([1.0, 0.0, 0.0, 0.0]))  # fingerprint words
     rec1.fingerprint = True
-    second = _step_with([math.inf, 3.0], math.nan, {"x": torch.tensor(0.5, dtype=torch.bfloat16)})
-    rec2 = second.record(11, 2.0, order, missing)
-    third = _step_with([None, None], 1.0, {})  # no tracked module ran
-    rec3 = third.record(12, 3.0, order, missing)
-    fourth = _step_with([None, 2.5], 1.0, {})  # a not sampled step on which only b ran
-    rec4 = fourth.record(13, 4.0, order, missing)
+    # b runs first and overflows, a is NaN after it: b is named, in call order
+    second = _step_with(
+        [(1, math.inf), (0, math.nan)], math.nan, {"x": torch.tensor(0.5, dtype=torch.bfloat16)}, False
+    )
+    rec2 = second.record(11, 2.0, order)
+    third = _step_with([], 1.0, {}, True)  # no tracked module ran
+    rec3 = third.record(12, 3.0, order)
+    fourth = _step_with([(1, 2.5)], 1.0, {}, False)  # a not sampled step on which only b ran
+    rec4 = fourth.record(13, 4.0, order)
+    fifth = _step_with([(1, math.nan), (1, 1.0), (0, 1.0)], 1.0, {}, True)  # NaN stays over a later call
+    rec5 = fifth.record(14, 5.0, order)
 
-    chunk = transfer([rec1, rec2, rec3, rec4], cuda=False)
+    chunk = transfer([rec1, rec2, rec3, rec4, rec5], cuda=False)
     assert chunk.values is not None and chunk.values.dim() == 1
     assert all(not r.scalars and not r.vectors for r in chunk.records)  # the tensors were released
     rows, events = _batch.Decoder().decode(chunk)
 
-    one, two, three, four = (r.metrics for r in rows)
+    one, two, three, four, five = (r.metrics for r in rows)
     assert one["loss"] == 4.0 and one["grad_norm"] == 3.0 and one["grad_sumsq"] == 9.0
     assert one["tokens"] == 7.0 and one["lr"] == 0.1
-    assert rows[0].amax == {"a": 2.0, "b": None}  # b did not run: no value, not a zero
+    assert rows[0].amax == {"a": 2.5, "b": 1.5}  # c did not run: no value, not a zero
     assert rows[0].grads == {"w": 1.0, "b": 2.0}
     assert rows[0].fingerprint == f"{_batch.mix64(1):016x}"
     assert one["nonfinite.activations"] == one["nonfinite.loss"] == one["nonfinite.grads"] == 0
     assert two["x"] == 0.5 and math.isnan(two["loss"])
     assert two["nonfinite.activations"] == 1 and two["nonfinite.loss"] == 1
-    assert rows[1].amax is None  # not a sampled step: the sums only say which module was non-finite
+    assert rows[1].amax is None  # not a sampled step: the values only say which module was non-finite
     assert three["nonfinite.activations"] is None and rows[2].amax is None
     assert four["nonfinite.activations"] == 0 and rows[3].amax is None
-    assert "mem.rss_mb" in four  # host RSS once per chunk, on its last step
+    assert five["nonfinite.activations"] == 1 and math.isnan(rows[4].amax["b"]) and rows[4].amax["a"] == 1.0
+    assert "mem.rss_mb" in five  # host RSS once per chunk, on its last step
     assert events == [
         {
             "step": 11,
             "ts": 2.0,
             "kind": "nonfinite",
-            "data": {"module": "a", "where": ["activations", "loss"]},
-        }
+            "data": {"module": "b", "where": ["activations", "loss"]},
+        },
+        {"step": 14, "ts": 5.0, "kind": "nonfinite", "data": {"module": "b", "where": ["activations"]}},
     ]
+
+
+def test_amax_each_is_max_abs_per_tensor_with_nan_kept_on_both_paths() -> None:
+    """The fused reduction (`Hooks.flush`): one max |x| per tensor, NaN and Inf kept, whether the
+    tensors are stacked (small, one shape), copied into one buffer (small, one dtype) or reduced by the foreach op (mixed dtypes,
+    one tensor, or too many elements), and never writing into the tensors themselves."""
+    small = [torch.tensor([[1.0, -3.0]]), torch.tensor([math.nan, 2.0]), torch.tensor([-math.inf])]
+    big = [torch.full((_device.FLAT_MAX_ELEMENTS,), -2.0), torch.tensor([0.5, -7.0])]
+    mixed = [torch.tensor([-4.0], dtype=torch.bfloat16), torch.tensor([1.0, 2.0])]
+    same = [torch.tensor([[1.0, -2.0]]), torch.tensor([[math.inf, 0.0]]), torch.tensor([[-1.0, math.nan]])]
+    for tensors, expected in (
+        (small, [3.0, math.nan, math.inf]),
+        (same, [2.0, math.inf, math.nan]),  # one shape: one stack
+        (big, [2.0, 7.0]),
+        (mixed, [4.0, 2.0]),
+        ([torch.tensor([-5.0, 1.0])], [5.0]),
+    ):
+        before = [t.clone() for t in tensors]
+        got = _device.amax_each(tensors)
+        assert got.dtype == torch.float32 and got.shape == (len(tensors),)
+        assert [str(x) for x in got.tolist()] == [str(x) for x in expected]
+        for a, b in zip(tensors, before, strict=True):  # the inputs are only read
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def test_square_sums_match_the_per_tensor_norm_and_leave_the_gradients_alone() -> None:
+    torch.manual_seed(0)
+    grads = [torch.randn(16, 16), torch.randn(16), torch.randn(3, dtype=torch.float64)]
+    layers = [t for _ in range(4) for t in (torch.randn(8, 4), torch.randn(8))]  # two shapes: stacked
+    square_sums = _device.SquareSums()
+    cases = (
+        grads[:2],  # two shapes in two tensors: one flat copy
+        layers,
+        layers[::2],  # one shape
+        [t.to(torch.bfloat16) for t in layers],  # squared in float32
+        grads,  # float64 among them: the foreach op
+        grads[:1],
+        [torch.randn(_device.FLAT_MAX_ELEMENTS), grads[1]],  # too big to copy
+    )
+    for tensors in cases:
+        before = [t.clone() for t in tensors]
+        key = tuple(map(id, tensors))
+        got = square_sums(tensors, key)
+        want = torch.stack([t.double().square().sum() for t in tensors]).float()
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=0)  # float32 sums of 1M squares
+        assert all(torch.equal(a, b) for a, b in zip(tensors, before, strict=True))
 
 
 def test_encode_writes_non_finite_values_as_strings() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from typing import Any
 
 import pytest
@@ -321,3 +322,61 @@ def test_a_step_the_grad_scaler_skips_is_its_own_record_marked_skipped(
         assert rec["nonfinite.loss"] == 0
         assert rec["nonfinite.grads"] == (1 if step in skipped else 0), (step, rec)
     assert scaler.get_scale() == 2.0**10 / 8  # the scaler really skipped three times
+
+
+def test_tracked_outputs_wait_in_bounded_groups_are_released_with_the_forward_and_give_exact_amax(
+    receiver: Receiver, fast: dict[str, Any]
+) -> None:
+    """Outputs of tracked modules wait for one fused max |x| (issue 13's host cost): at most FLUSH_CALLS
+    of them at a time beyond what autograd keeps, none after the root forward returns; and the amax that
+    arrives is each module's own max |output|, computed here by the test."""
+    from stepwatch._hooks import FLUSH_CALLS
+
+    class Residual(nn.Module):  # x + fc(x): autograd keeps no Linear output (the add saves nothing)
+        def __init__(self, layers: int) -> None:
+            super().__init__()
+            self.fcs = nn.ModuleList(nn.Linear(32, 32) for _ in range(layers))
+            for fc in self.fcs:  # small weights: the sum stays of order 1 over a hundred layers
+                nn.init.normal_(fc.weight, std=0.02)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for fc in self.fcs:
+                x = x + fc(x)
+            return x.pow(2).mean()
+
+    layers = 3 * FLUSH_CALLS + 5
+    torch.manual_seed(0)
+    model = Residual(layers)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    outputs: list[Any] = []  # weak references to every Linear output of the current step
+    alive_at_call: list[int] = []
+    true_amax: dict[int, dict[str, float]] = {}
+    step = [0]
+
+    def observe(name: str) -> Any:
+        def hook(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+            alive_at_call.append(sum(r() is not None for r in outputs))
+            outputs.append(weakref.ref(out))
+            true_amax.setdefault(step[0] + 1, {})[name] = float(out.detach().abs().max())
+
+        return hook
+
+    for i, fc in enumerate(model.fcs):
+        fc.register_forward_hook(observe(f"fcs.{i}"))
+    watch = stepwatch.attach(model, opt, run="bounded", url=receiver.url, amax_every=1, **fast)
+    x = torch.randn(8, 32)
+    for step[0] in range(4):
+        outputs.clear()
+        loss = model(x)
+        assert sum(r() is not None for r in outputs) == 0  # released when the root forward returned
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    watch.close(timeout_s=5)
+    # counted at each call before its own output: up to FLUSH_CALLS - 1 wait with it, then all go
+    assert FLUSH_CALLS - 2 <= max(alive_at_call) <= FLUSH_CALLS - 1
+    reported = {s: {n: v[i] for n, v in b["tensors"]["stats"]["amax"].items()}
+                for b in receiver.accepted() if "tensors" in b for i, s in enumerate(b["tensors"]["steps"])}  # fmt: skip
+    assert sorted(reported) == [1, 2, 3, 4]
+    for s, want in true_amax.items():
+        assert reported[s] == pytest.approx(want, rel=1e-6), s

@@ -66,11 +66,14 @@ def _cuda_times(rec: StepRecord, m: dict[str, float | None]) -> None:
     m["time.optimizer_ms"] = opt_start.elapsed_time(end) if opt_start is not None else None
 
 
-def _amax(low: float, high: float) -> float | None:
-    """max |x| from the device's (min, max); NaN stays NaN; None when the module did not run."""
-    if low != low or high != high:
-        return math.nan
-    return None if low > high else max(-low, high)
+def _per_module(names: tuple[str, ...], calls: list[int], amax: list[float]) -> dict[str, float | None]:
+    """max |x| of each module that ran, over its calls this step (NaN stays NaN)."""
+    best: dict[int, float] = {}
+    for slot, a in zip(calls, amax, strict=True):
+        b = best.get(slot)
+        if b is None or a > b or a != a:  # a NaN once stays: nothing compares greater than NaN
+            best[slot] = a
+    return {names[slot]: best[slot] for slot in sorted(best)}
 
 
 class Decoder:
@@ -112,26 +115,24 @@ class Decoder:
                 m.update(zip(rec.log_names, values[k : k + len(rec.log_names)], strict=True))
                 k += len(rec.log_names)
             row = Row(rec.step, rec.ts, m)
-            bad: list[int] = []
-            if rec.amax_names:
-                n = len(rec.amax_names)
+            first_bad: str | None = None
+            k = rec.voffset
+            calls = rec.amax_calls
+            if calls:
+                amax = values[k : k + len(calls)]
+                k += len(calls)
+                # A finite total: every call's max is finite (the common case: no per-call work).
+                if not math.isfinite(sum(amax)):
+                    i = next(j for j, a in enumerate(amax) if not math.isfinite(a))
+                    first_bad = rec.amax_names[calls[i]]  # the first module to go non-finite, in call order
                 if rec.ship_amax:
-                    pairs = values[k : k + 2 * n]
-                    amax = [_amax(low, high) for low, high in zip(pairs[::2], pairs[1::2], strict=True)]
-                    bad = [j for j, a in enumerate(amax) if a is not None and not math.isfinite(a)]
-                    row.amax = dict(zip(rec.amax_names, amax, strict=True))
-                else:
-                    sums = values[k : k + n]
-                    # A finite total: every module's sum is finite (the common case: no per-module work).
-                    if not math.isfinite(sum(sums)):
-                        bad = [j for j, x in enumerate(sums) if not math.isfinite(x)]
-                m["nonfinite.activations"] = int(bool(bad))
+                    row.amax = _per_module(rec.amax_names, calls, amax)
+                m["nonfinite.activations"] = int(first_bad is not None)
             else:
                 m["nonfinite.activations"] = None
             loss, grad = m.get("loss"), m.get("grad_norm")
             m["nonfinite.loss"] = None if loss is None else int(not math.isfinite(loss))
             m["nonfinite.grads"] = None if grad is None else int(not math.isfinite(grad))
-            k = rec.voffset
             if rec.grad_names:
                 row.grads = dict(zip(rec.grad_names, values[k : k + len(rec.grad_names)], strict=True))
                 k += len(rec.grad_names)
@@ -140,7 +141,7 @@ class Decoder:
                 row.fingerprint = f"{mix64(w[0] | w[1] << 16 | w[2] << 32 | w[3] << 48):016x}"
             where_bad = [w for w in ("activations", "loss", "grads") if m[f"nonfinite.{w}"]]
             if where_bad and not self._in_nonfinite:
-                module = rec.amax_names[bad[0]] if bad else None
+                module = first_bad
                 events.append(
                     {
                         "step": rec.step,

@@ -1,6 +1,8 @@
-"""Device-side helpers: the host transfer and the parameter fingerprint."""
+"""Device-side helpers: fused reductions over many tensors, the host transfer, the parameter fingerprint."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -9,12 +11,115 @@ from ._records import Chunk, StepRecord
 
 # Same-size integer view of a parameter's bytes, by element size.
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_F32 = torch.float32
+# On a CPU, tensors up to this many elements in all are copied into one buffer and reduced per tensor
+# by one `segment_reduce`: `torch._foreach_norm` there is a loop of one dispatched op per tensor
+# (bench/README.md, host_cost). Beyond it (or on any other device: one fused kernel on CUDA) the
+# foreach op; the copy would cost memory, and big tensors' own compute outweighs a dispatch.
+FLAT_MAX_ELEMENTS = 1 << 20
+_flatten = torch._utils._flatten_dense_tensors
+_segment_reduce = torch.segment_reduce
+_foreach_norm = torch._foreach_norm
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (FSDP2, TP); any other tensor as it is."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
+
+
+def _flattenable(tensors: list[torch.Tensor], total: int | None = None) -> bool:
+    """Small CPU tensors of one dtype (one copy needs one dtype and device), more than one."""
+    first = tensors[0]
+    if len(tensors) < 2 or not first.is_cpu:
+        return False
+    dtype = first.dtype
+    if total is None:
+        total = sum(t.numel() for t in tensors)
+    return total <= FLAT_MAX_ELEMENTS and all(t.dtype == dtype and t.is_cpu for t in tensors)
+
+
+def _foreach_norms(tensors: list[torch.Tensor], ord: float) -> torch.Tensor:
+    """Per-tensor norms by the foreach op, computed in float32 (float64 when a tensor is: no narrowing
+    cast is allowed there), returned as float32."""
+    wide = any(t.dtype == torch.float64 for t in tensors)
+    return torch.stack(_foreach_norm(tensors, ord, dtype=torch.float64 if wide else _F32)).to(_F32)
+
+
+def amax_each(tensors: list[torch.Tensor], total: int | None = None) -> torch.Tensor:
+    """max |x| of each tensor (non-empty, floating; `total` their elements when known), float32, shape
+    (len(tensors),). NaN propagates: max over a NaN is NaN (CPU amax, segment_reduce and vector_norm;
+    CUDA's fused foreach kernel takes `max_propagate_nan`). Never writes into the tensors."""
+    with torch.no_grad():
+        if len(tensors) == 1:  # a flush of one big output: one kernel, as a per-module check would be
+            t = tensors[0]
+            return (
+                torch.linalg.vector_norm(
+                    t, math.inf, dtype=torch.float64 if t.dtype == torch.float64 else _F32
+                )
+                .reshape(1)
+                .to(_F32)
+            )
+        if _flattenable(tensors, total):
+            shape = tensors[0].shape
+            if all(t.shape == shape for t in tensors):  # consecutive layers' outputs, often: one stack
+                stacked = torch.stack(tensors).view(len(tensors), -1)
+                return stacked.abs_().amax(1).to(_F32)
+            flat = _flatten(tensors).abs_()  # a fresh buffer (more than one tensor): in place is safe
+            lengths = torch.tensor([t.numel() for t in tensors])
+            return _segment_reduce(flat, "max", lengths=lengths).to(_F32)
+        return _foreach_norms(tensors, math.inf)
+
+
+class SquareSums:
+    """The squared L2 norm of each tensor of a list (gradients), float32, shape (len,), in a few fused
+    ops. `key` names the list's tensors (the ids of their parameters); the plan for it (which tensors
+    share a shape, the lengths) is made again only when the key changes.
+
+    Small CPU tensors: those of one shape are stacked (one copy, ~0.3 us a tensor here, a third of
+    `_flatten_dense_tensors`), squared and summed per row, and the rows put back in the list's order;
+    with more shapes than a quarter of the tensors, one flat copy and one `segment_reduce`. Otherwise
+    the foreach norm (one fused kernel on CUDA)."""
+
+    def __init__(self) -> None:
+        self._key: tuple[int, ...] | None = None
+        self._groups: list[list[int]] = []
+        self._order: torch.Tensor | None = None  # group order -> list order (None: one group)
+        self._lengths: torch.Tensor | None = None  # segment lengths (None: stacked groups)
+
+    def _plan(self, tensors: list[torch.Tensor], key: tuple[int, ...]) -> None:
+        by_shape: dict[torch.Size, list[int]] = {}
+        for i, t in enumerate(tensors):
+            by_shape.setdefault(t.shape, []).append(i)
+        self._key = key
+        if len(by_shape) > max(1, len(tensors) // 4):
+            self._groups, self._order = [], None
+            self._lengths = torch.tensor([t.numel() for t in tensors])
+            return
+        self._groups, self._lengths = list(by_shape.values()), None
+        placed = [i for group in self._groups for i in group]
+        self._order = torch.tensor(placed).argsort() if len(self._groups) > 1 else None
+
+    def __call__(self, tensors: list[torch.Tensor], key: tuple[int, ...]) -> torch.Tensor:
+        with torch.no_grad():
+            if not _flattenable(tensors):
+                norms = _foreach_norms(tensors, 2)
+                return norms.mul_(norms)
+            if key != self._key:
+                self._plan(tensors, key)
+            wide = tensors[0].dtype in (_F32, torch.float64)  # else squared in float32: no overflow
+            if self._lengths is not None:
+                flat = _flatten(tensors)  # a fresh buffer (more than one tensor): squared in place
+                flat = flat if wide else flat.to(_F32)
+                return _segment_reduce(flat.mul_(flat), "sum", lengths=self._lengths).to(_F32)
+            sums = []
+            for group in self._groups:
+                rows = torch.stack([tensors[i] for i in group]).view(len(group), -1)  # a fresh copy
+                rows = rows if wide else rows.to(_F32)
+                sums.append(rows.mul_(rows).sum(1))
+            if self._order is None:
+                return sums[0].to(_F32)
+            return torch.cat(sums).index_select(0, self._order).to(_F32)
 
 
 def transfer(records: list[StepRecord], cuda: bool) -> Chunk:

@@ -10,6 +10,7 @@ switched-off features) so that a disabled or paused agent costs a few attribute 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -19,7 +20,7 @@ from torch import nn
 
 from ._capacity import device_capacity_mb
 from ._config import Config
-from ._device import Fingerprinter, local, transfer
+from ._device import Fingerprinter, SquareSums, amax_each, local, transfer
 from ._guard import Guard
 from ._layout import Layout
 from ._records import Chunk, Live, StepRecord
@@ -31,8 +32,14 @@ STEPS_PER_TRANSFER = 8  # device values of this many steps share one copy to the
 # Rows of the ring: a row is written again this many steps after it was handed out, and a step's values
 # are copied out by the transfer at most STEPS_PER_TRANSFER + 2 steps after (pending, done, current).
 RING_ROWS = 2 * STEPS_PER_TRANSFER + 2
+# Tracked modules' outputs wait for one fused reduction (`Hooks.flush`) until this many calls or
+# elements are queued (16 MiB of float32), or the root forward ends: what the agent keeps alive.
+FLUSH_CALLS = 32
+FLUSH_ELEMENTS = 1 << 22
 _grad_enabled = torch.is_grad_enabled
-_aminmax = torch.aminmax
+_compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (
+    lambda: False
+)
 _sum = torch.sum
 _vector_norm = torch.linalg.vector_norm
 _f32 = torch.float32
@@ -84,29 +91,23 @@ class _EagerHook:
 
 class Ring:
     """Preallocated float32 rows the per-step device values are written into (`out=`), so that the hooks
-    allocate no tensor on most steps.
+    allocate as few tensors per step as they can.
 
     Small tensors made on every step and kept until the transfer sit between the model's large
     activation buffers in the allocator's heap. On a CPU (mlp-wide-batch in bench/agent_overhead.py)
-    that cost the training thread about 100 extra minor page faults per step, which went away when
-    glibc's trim and mmap thresholds were raised, and go away with this ring. A row holds one step:
-    item 0 the grad norm, item 1 + slot the sum of tracked module `slot`. Rows are reused after
-    RING_ROWS steps. They grow (a new buffer; steps in flight keep the old one alive) when modules
-    appear; a module beyond a row's width, on another device, or called twice in a step takes the
-    allocating path. Sampled steps' (min, max) pairs allocate too (one step in `amax_every`).
+    one small tensor per tracked module and step cost the training thread about 100 extra minor page
+    faults per step, which went away with a ring. A row holds one step: item 0 its grad norm. Rows are
+    reused after RING_ROWS steps.
     """
 
+    WIDTH = 1
+
     def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.width = 0
-        self.rows: list[tuple[torch.Tensor, ...]] = []
+        buffer = torch.zeros((RING_ROWS, self.WIDTH), dtype=_f32, device=device)
+        self.rows = [tuple(buffer[i].unbind()) for i in range(RING_ROWS)]
         self.next = 0
 
-    def row(self, modules: int) -> tuple[torch.Tensor, ...]:
-        if modules + 1 > self.width:
-            self.width = max(16, 2 * (modules + 1))
-            buffer = torch.zeros((RING_ROWS, self.width), dtype=_f32, device=self.device)
-            self.rows = [tuple(buffer[i].unbind()) for i in range(RING_ROWS)]
+    def row(self) -> tuple[torch.Tensor, ...]:
         self.next = (self.next + 1) % RING_ROWS
         return self.rows[self.next]
 
@@ -142,15 +143,7 @@ class Hooks:
             self._copies = {id(p): c for p, c in zip(model.parameters(), layout.copies, strict=True)}
         self._weights: tuple[tuple[int, ...], torch.Tensor | None] = ((), None)
         self._partial_said = False
-        self._slots: dict[str, int] = {}  # tracked module -> index in first-seen forward order
-        self._order: tuple[str, ...] = ()
-        # What a module that did not run this step reports, made once: (min, max) with min > max on a
-        # sampled step, a zero sum on any other.
-        self._missing = (
-            torch.ones((), device=self.device),
-            -torch.ones((), device=self.device),
-            torch.zeros((), device=self.device),
-        )
+        self._square_sums = SquareSums()
         self._step = config.start_step if config.start_step is not None else resumed_step(optimizer)
         self._ring = Ring(self.device)
         self._cur = self._new_step()
@@ -164,12 +157,14 @@ class Hooks:
         self._bad_names: set[str] = set()
         self._good_names: set[str] = set()
         self._params: list[torch.Tensor] = []
+        self._all_key: tuple[int, ...] = ()  # ids of self._params
+        self._plain = True  # no DTensor and no sparse gradient seen on them: the list as it is
         self._grad_names: tuple[tuple[int, ...], tuple[str, ...]] = ((), ())
         tracked = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
         named = dict(model.named_modules())
         tracked.update({n: named[n] for n in config.track})
-        for name, module in tracked.items():
-            self._handles.append(module.register_forward_hook(self._amax_hook(name)))
+        self._order = tuple(tracked)  # tracked module names; a tap's slot indexes them
+        self._taps = [self._tap(slot, module) for slot, module in enumerate(tracked.values())]
         self._handles += [
             model.register_forward_pre_hook(_EagerHook(self._on_forward_pre)),
             model.register_forward_hook(_EagerHook(self._on_forward)),
@@ -193,8 +188,13 @@ class Hooks:
             return None
 
     def _new_step(self) -> Step:
-        n = len(self._order)
-        return Step(n, self._sampled(self._step + 1), self._ring.row(n))
+        return Step(self._sampled(self._step + 1), self._ring.row())
+
+    def _tap(self, slot: int, module: nn.Module) -> tuple[nn.Module, Tap]:
+        own = "forward" in module.__dict__  # an instance forward already (another library's wrapper)
+        tap = Tap(self, slot, module.forward, own)
+        module.forward = tap
+        return module, tap
 
     def _sampled(self, step: int) -> bool:
         """Steps that ship amax and per-parameter grad norms (every `amax_every`-th)."""
@@ -207,9 +207,6 @@ class Hooks:
             event.record()
             return event
         return _perf()
-
-    def _amax_hook(self, name: str) -> AmaxHook:
-        return AmaxHook(self, name)
 
     def _on_forward_pre(self, module: nn.Module, args: Any) -> None:
         # Counted first, paused or not: two int increments, the only work a no-grad forward costs. The
@@ -249,6 +246,8 @@ class Hooks:
                 cur.fwd_start = None
             cur.grad_mark = self._grad_mark()
             self.live.phase = "backward"
+            if cur.pending:
+                self.flush()
             if "loss" not in self._off:
                 loss = find_loss(output)
                 if loss is not None:
@@ -319,49 +318,57 @@ class Hooks:
             params = self._params
             if len(params) != sum(len(g["params"]) for g in self.optimizer.param_groups):
                 params = self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            grads = []
-            for p in params:
-                g = p.grad
-                if g is not None and not g.is_sparse:
-                    grads.append(g if type(g) is torch.Tensor else local(g))  # DTensor: this rank's shard
+                self._all_key, self._plain = tuple(map(id, params)), True
+            grads = [p.grad for p in params]
+            owners, key = params, self._all_key
+            if not self._plain or any(g is None or type(g) is not torch.Tensor or g.is_sparse for g in grads):
+                # Some parameter has no gradient this step, a sparse one, or a DTensor (this rank's
+                # shard is reduced): the per-parameter path from here on.
+                self._plain = False
+                pairs = [
+                    (p, g) for p, g in zip(params, grads, strict=True) if g is not None and not g.is_sparse
+                ]
+                owners = [p for p, _ in pairs]
+                grads = [g if type(g) is torch.Tensor else local(g) for _, g in pairs]
+                key = tuple(map(id, owners))
             if not grads:
                 return
-            # One fused reduction over all gradients (one kernel on CUDA; on CPU measured cheaper than
-            # per-tensor vector_norm or dot); float32 so that fp16 norms do not overflow.
-            norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
+            # One fused reduction over all gradients (_device.py); float32 so that fp16 squares do not
+            # overflow.
+            squares = self._square_sums(grads, key)
             cur.hook_names.append("grad_norm")
-            if cur.row and norms.device == self.device:
-                cur.scalars.append(_vector_norm(norms, out=cur.row[0]))
+            if cur.row and squares.device == self.device:
+                cur.scalars.append(_sum(squares, None, out=cur.row[0]).sqrt_())
             else:
-                cur.scalars.append(_vector_norm(norms))
+                cur.scalars.append(_sum(squares).sqrt_())
             if self._copies:
                 cur.hook_names.append("grad_sumsq")
-                cur.scalars.append(torch.dot(norms * norms, self._weights_of(params, norms.device)))
+                cur.scalars.append(torch.dot(squares, self._weights_of(owners, key, squares.device)))
             if cur.sampled:
-                cur.grads = (norms.to(self.device, non_blocking=True), self._names_of(params))
+                cur.grads = (squares.sqrt().to(self.device, non_blocking=True), self._names_of(key))
         except Exception as exc:
             self.guard.fail("grads", exc)
 
-    def _weights_of(self, params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    def _weights_of(
+        self, owners: list[torch.Tensor], key: tuple[int, ...], device: torch.device
+    ) -> torch.Tensor:
         """1/copies per parameter with a dense gradient this step (made again when that set changes).
 
         A gradient still `Partial` (each rank holds a part of a sum: a sequence-parallel LayerNorm's
         before its reduction) has no share of the norm that squares can add up: weight 0, said once.
         """
-        with_grad = [p for p in params if p.grad is not None and not p.grad.is_sparse]
-        ids = tuple(id(p) for p in with_grad)
-        cached_ids, weights = self._weights
-        if ids != cached_ids or weights is None:
-            partial = [_is_partial(p.grad) for p in with_grad]
+        cached_key, weights = self._weights
+        if key != cached_key or weights is None:
+            partial = [_is_partial(p.grad) for p in owners]
             values = [
-                0.0 if part else 1.0 / self._copies.get(i, 1.0) for i, part in zip(ids, partial, strict=True)
+                0.0 if part else 1.0 / self._copies.get(i, 1.0) for i, part in zip(key, partial, strict=True)
             ]
             weights = torch.tensor(values, dtype=torch.float32).to(device)
-            self._weights = (ids, weights)
+            self._weights = (key, weights)
             if any(partial) and not self._partial_said:
                 self._partial_said = True
                 names = [
-                    self._pnames.get(id(p), "?") for p, part in zip(with_grad, partial, strict=True) if part
+                    self._pnames.get(id(p), "?") for p, part in zip(owners, partial, strict=True) if part
                 ]
                 logger.warning(
                     "stepwatch: %d parameters have Partial gradients (%s): left out of grad_sumsq, so the "
@@ -370,18 +377,19 @@ class Hooks:
                 )  # fmt: skip
         return weights
 
-    def _names_of(self, params: list[torch.Tensor]) -> tuple[str, ...]:
+    def _names_of(self, key: tuple[int, ...]) -> tuple[str, ...]:
         """Names of the parameters that have a dense gradient this step (sampled steps only)."""
-        ids = tuple(id(p) for p in params if p.grad is not None and not p.grad.is_sparse)
-        if ids != self._grad_names[0]:
-            names = tuple(self._pnames.get(i, f"param.{k}") for k, i in enumerate(ids))
-            self._grad_names = (ids, names)
+        if key != self._grad_names[0]:
+            names = tuple(self._pnames.get(i, f"param.{k}") for k, i in enumerate(key))
+            self._grad_names = (key, names)
         return self._grad_names[1]
 
     def _on_step_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if "steps" in self._off:
             return
         try:
+            if self._cur.pending:
+                self.flush()  # outputs queued since the last forward (recomputed in backward)
             cur = self._cur
             end, ts = self._mark(), time.time()
             self._step += 1
@@ -411,6 +419,19 @@ class Hooks:
         except Exception as exc:
             self.guard.fail("steps", exc)
 
+    def flush(self) -> None:
+        """The queued outputs of tracked modules -> one max |x| per call, in one fused reduction."""
+        cur = self._cur
+        pending, slots, total = cur.pending, cur.pending_slots, cur.pending_elements
+        cur.pending, cur.pending_slots, cur.pending_elements = [], [], 0
+        if not pending or "amax" in self._off:
+            return
+        try:
+            cur.amax.append(amax_each(pending, total))
+            cur.calls += slots
+        except Exception as exc:
+            self.guard.fail("amax", exc)
+
     # -- finalize and transfer (training thread) ---------------------------------------------------
     def _finalize_and_maybe_transfer(self) -> None:
         self._finalize()
@@ -427,7 +448,7 @@ class Hooks:
             return
         cur, step, ts, prev_end, end = self._done
         self._done = None
-        rec = cur.record(step, ts, self._order, self._missing)
+        rec = cur.record(step, ts, self._order)
         every = self._fingerprints
         if every and step % every == 0 and "fingerprint" not in self._off:
             try:
@@ -480,56 +501,69 @@ class Hooks:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        for module, tap in self._taps:
+            tap.hooks = None  # inert, wherever it still is
+            if module.__dict__.get("forward") is tap:
+                if tap.own:
+                    module.forward = tap.inner
+                else:
+                    del module.forward
+        self._taps = []
         if self.optimizer.__dict__.get("zero_grad") == self._on_zero_grad:
             del self.optimizer.zero_grad
 
 
-class AmaxHook:
-    """The forward hook on one tracked module: its output's (min, max) on sampled steps, a float32 sum
-    (non-finite exactly when an element is) on the others. Traced by torch.compile (no Python state
-    beyond appends), inert in a copy of the model (see _EagerHook)."""
+class Tap:
+    """What a tracked module's `forward` becomes: the module's own forward, then its output queued on
+    the step for one fused max |x| over many modules (`Hooks.flush`).
 
-    __slots__ = ("hooks", "name")
+    An instance attribute, not a forward hook: `nn.Module.__call__` takes its slow path (hook lists,
+    global hooks, ~3x the cost of a plain call; bench/README.md, host_cost) for any module with a hook,
+    and a model of 500 Linear modules pays that 500 times per step. Here a call costs one Python call
+    and two appends. Queued outputs are bounded (`FLUSH_CALLS` calls, `FLUSH_ELEMENTS` elements) and
+    released at the end of each root forward, so that no activation outlives the forward by more.
+    Inside a torch.compile graph the max is taken per call instead (traced into the graph: no host
+    cost, no graph break). A copy of the model (deepcopy, torch.save) gets the module's own forward
+    back; `Hooks.remove()` restores it, or leaves the tap inert where someone wrapped it since.
+    """
 
-    def __init__(self, hooks: Hooks, name: str) -> None:
-        self.hooks, self.name = hooks, name
+    __slots__ = ("hooks", "inner", "own", "slot")
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_inert, ())
+    def __init__(self, hooks: Hooks | None, slot: int, inner: Callable[..., Any], own: bool) -> None:
+        self.hooks, self.slot, self.inner, self.own = hooks, slot, inner, own
 
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Pickled as the forward it wraps (a bound method: `getattr(module, "forward")`, the copy's own).
+        return self.inner.__reduce_ex__(protocol)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.inner(*args, **kwargs)
         hooks = self.hooks
+        if hooks is None or hooks._paused or not _grad_enabled():
+            return out
         off = hooks._off
-        if hooks._paused or (off and ("steps" in off or "amax" in off)) or not _grad_enabled():
-            return
+        if off and ("steps" in off or "amax" in off):
+            return out
         try:
-            out = output if isinstance(output, torch.Tensor) else first_tensor(output)
-            if out is None or not out.is_floating_point() or out.numel() == 0:
-                return
-            slots = hooks._slots
-            slot = slots.get(self.name)
-            if slot is None:
-                slot = slots[self.name] = len(hooks._order)
-                hooks._order += (self.name,)
-                hooks._cur.acts.append(None)
+            t = out if type(out) is torch.Tensor else first_tensor(out)
+            if t is None or not t.is_floating_point():
+                return out
+            if type(t) is not torch.Tensor:
+                t = local(t.detach())  # a DTensor output (tensor parallel): this rank's part
+            n = t.numel()
+            if not n:
+                return out
             cur = hooks._cur
-            acts, old = cur.acts, cur.acts[slot]
-            if cur.sampled:
-                # min and max in one pass (NaN propagates into both); the host takes
-                # amax = max(-min, max). Cheaper than vector_norm(x, inf) on CPU, no abs/neg kernels.
-                pair: tuple[torch.Tensor, torch.Tensor] = _aminmax(out.detach())
-                if old is not None:  # called again this step (micro-batches, shared modules)
-                    pair = (torch.minimum(old[0], pair[0]), torch.maximum(old[1], pair[1]))
-                acts[slot] = pair
-            else:
-                # Other steps only need "was anything non-finite": one float32 sum, a single
-                # output and about half the work of aminmax (NaN and Inf propagate into it),
-                # written into this step's ring row.
-                row = cur.row
-                if old is None and slot + 1 < len(row) and out.device == hooks.device:
-                    acts[slot] = _sum(out.detach(), None, dtype=_f32, out=row[slot + 1])
-                else:
-                    total = out.detach().sum(dtype=_f32)
-                    acts[slot] = total if old is None else old + total  # type: ignore[operator]
+            if _compiling():
+                cur.calls.append(self.slot)
+                cur.amax.append(_vector_norm(t.detach(), math.inf, dtype=_f32).reshape(1))
+                return out
+            # Not detached (one op less): the reduction runs under no_grad and only reads it.
+            cur.pending.append(t)
+            cur.pending_slots.append(self.slot)
+            cur.pending_elements += n
+            if len(cur.pending) >= FLUSH_CALLS or cur.pending_elements >= FLUSH_ELEMENTS:
+                hooks.flush()
         except Exception as exc:
             hooks.guard.fail("amax", exc)
+        return out

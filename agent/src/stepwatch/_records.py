@@ -29,11 +29,11 @@ class StepRecord:
     """One finished step.
 
     Its device values live in the host copy of a chunk (`Chunk.values`), in two places:
-    - from `offset`: one scalar per `hook_names`, one per `log_names`, then for each of `amax_names`
-      (min, max) when `ship_amax` (min > max: the module did not run this step), else one float32 sum
-      (non-finite when the module's output was);
-    - from `voffset`: one grad norm per `grad_names`, then 4 float 16-bit words of the fingerprint
-      when `fingerprint`.
+    - from `offset`: one scalar per `hook_names`, one per `log_names`;
+    - from `voffset`: one max |x| per item of `amax_calls` (a tracked module's call this step, in call
+      order, by its index in `amax_names`; non-finite when the output had a non-finite element; shipped
+      per module, the max over its calls, when `ship_amax`), then one grad norm per `grad_names`,
+      then 4 float 16-bit words of the fingerprint when `fingerprint`.
     Until the transfer, `scalars` holds the 0-dim device tensors of the first part and `vectors` the
     1-dim ones of the second (few steps have any).
     """
@@ -44,6 +44,7 @@ class StepRecord:
     hook_names: tuple[str, ...] = ()
     log_names: tuple[str, ...] = ()
     amax_names: tuple[str, ...] = ()
+    amax_calls: list[int] = field(default_factory=list)
     ship_amax: bool = False
     grad_names: tuple[str, ...] = ()
     fingerprint: bool = False
@@ -55,12 +56,6 @@ class StepRecord:
     vectors: list[Any] = field(default_factory=list)  # 1-dim device tensors until the transfer
     offset: int = 0
     voffset: int = 0
-
-    @property
-    def n_scalars(self) -> int:
-        return (
-            len(self.hook_names) + len(self.log_names) + (2 if self.ship_amax else 1) * len(self.amax_names)
-        )
 
 
 @dataclass(slots=True)

@@ -5,7 +5,6 @@ Training thread only. Device values stay 0-dim device tensors in plain lists; no
 
 from __future__ import annotations
 
-import itertools
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -16,10 +15,6 @@ from ._records import StepRecord
 
 NAME = re.compile(r"[A-Za-z0-9._:/@+\-\[\]]{1,200}")
 MAX_KNOWN_NAMES = 1_000  # watch.log() names remembered as valid (skips the regex); beyond, checked each time
-
-Pair = tuple[torch.Tensor, torch.Tensor]
-Missing = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (1, -1) as (min, max), and a zero sum
-Act = Pair | torch.Tensor  # (min, max) on a sampled step; the float32 sum on any other step
 
 
 def find_loss(output: Any) -> torch.Tensor | None:
@@ -63,7 +58,8 @@ class Step:
     """The step in progress (between two `optimizer.step()` ends)."""
 
     __slots__ = (
-        "acts",
+        "amax",
+        "calls",
         "data_ms",
         "discarded",
         "forwards",
@@ -79,18 +75,27 @@ class Step:
         "loss_sum",
         "n_fwd",
         "opt_start",
+        "pending",
+        "pending_elements",
+        "pending_slots",
         "row",
         "sampled",
         "scalars",
     )
 
-    def __init__(self, n_amax: int, sampled: bool, row: Sequence[torch.Tensor] = ()) -> None:
-        # Per tracked module slot: (min, max) when `sampled` (amax is shipped), else the float32 sum,
-        # which is non-finite exactly when an element is (or the sum overflows float32, ~3e38).
-        self.acts: list[Act | None] = [None] * n_amax
+    def __init__(self, sampled: bool, row: Sequence[torch.Tensor] = ()) -> None:
+        # Tracked modules' calls this step, in call order: the module's slot (`_hooks.Tap`), and in
+        # `amax` 1-dim float32 device tensors that hold max |x| of each call's output, in the same
+        # order (non-finite exactly when an element was). Shipped per module when `sampled`.
+        self.calls: list[int] = []
+        self.amax: list[torch.Tensor] = []
         self.sampled = sampled
+        # Outputs waiting for their fused reduction (`_hooks.Hooks.flush`), their slots and size.
+        self.pending: list[torch.Tensor] = []
+        self.pending_slots: list[int] = []
+        self.pending_elements = 0
         # 0-dim float32 views of one row of the collector's ring (`_hooks.Ring`): where this step's
-        # grad norm (item 0) and per-module sums (item 1 + slot) are written, allocating nothing.
+        # grad norm (item 0) is written, allocating nothing.
         self.row = row
         self.hook_names: list[str] = []  # names of the device scalars from the hooks (grad_norm, lr)
         self.scalars: list[torch.Tensor] = []  # their 0-dim device values; becomes the record's list
@@ -109,7 +114,7 @@ class Step:
         self.grad_mark: tuple[int, int] | None = None  # the probe gradient (id, version) at the last forward
         self.discarded = False  # zero_grad() threw its gradients away before any optimizer step
 
-    def record(self, step: int, ts: float, order: tuple[str, ...], missing: Missing) -> StepRecord:
+    def record(self, step: int, ts: float, order: tuple[str, ...]) -> StepRecord:
         """The finished step, its device values in the order `StepRecord` documents."""
         rec = StepRecord(step=step, ts=ts, host=self.host)
         names, scalars = self.hook_names, self.scalars
@@ -121,21 +126,12 @@ class Step:
         if self.logs:
             rec.log_names = tuple(self.logs)
             scalars += self.logs.values()
-        acts = self.acts
-        # A module that did not run this step gets `missing`: min > max on a sampled step, a zero sum
-        # otherwise. Identity tests only: `None in acts` would call Tensor.__eq__ (~50 us each).
-        ran = sum(a is not None for a in acts)
-        if 0 < ran < len(acts):
-            fill: Act = (missing[0], missing[1]) if self.sampled else missing[2]
-            acts = [fill if a is None else a for a in acts]
-        if ran:
-            rec.amax_names = order[: len(acts)]
-            if self.sampled:
-                scalars += itertools.chain.from_iterable(acts)  # type: ignore[arg-type]
-            else:
-                scalars += acts  # type: ignore[arg-type]
-            rec.ship_amax = self.sampled
         rec.scalars = scalars
+        if self.calls:
+            rec.amax_names = order
+            rec.amax_calls = self.calls
+            rec.ship_amax = self.sampled
+            rec.vectors += self.amax
         if self.grads is not None:
             rec.vectors.append(self.grads[0])
             rec.grad_names = self.grads[1]
