@@ -84,8 +84,8 @@ def test_records_round_trip_through_one_tensor() -> None:
 
 def test_amax_each_is_max_abs_per_tensor_with_nan_kept_on_both_paths() -> None:
     """The fused reduction (`Hooks.flush`): one max |x| per tensor, NaN and Inf kept, whether the
-    tensors are stacked (small, one shape), copied into one buffer (small, one dtype) or reduced by the foreach op (mixed dtypes,
-    one tensor, or too many elements), and never writing into the tensors themselves."""
+    tensors are stacked (small, one shape), copied into one buffer (small; dtypes promoted) or reduced
+    by the foreach op (too many elements) or one norm (one tensor), never writing into the tensors."""
     small = [torch.tensor([[1.0, -3.0]]), torch.tensor([math.nan, 2.0]), torch.tensor([-math.inf])]
     big = [torch.full((_device.FLAT_MAX_ELEMENTS,), -2.0), torch.tensor([0.5, -7.0])]
     mixed = [torch.tensor([-4.0], dtype=torch.bfloat16), torch.tensor([1.0, 2.0])]
@@ -115,7 +115,7 @@ def test_square_sums_match_the_per_tensor_norm_and_leave_the_gradients_alone() -
         layers,
         layers[::2],  # one shape
         [t.to(torch.bfloat16) for t in layers],  # squared in float32
-        grads,  # float64 among them: the foreach op
+        grads,  # float64 among them: promoted, squared in float64
         grads[:1],
         [torch.randn(_device.FLAT_MAX_ELEMENTS), grads[1]],  # too big to copy
     )

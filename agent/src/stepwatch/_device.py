@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from operator import attrgetter
 
 import torch
 from torch import nn
@@ -20,6 +21,7 @@ FLAT_MAX_ELEMENTS = 1 << 20
 _flatten = torch._utils._flatten_dense_tensors
 _segment_reduce = torch.segment_reduce
 _foreach_norm = torch._foreach_norm
+_numel, _shape = torch.Tensor.numel, attrgetter("shape")
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -28,22 +30,24 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
-def _flattenable(tensors: list[torch.Tensor], total: int | None = None) -> bool:
-    """Small CPU tensors of one dtype (one copy needs one dtype and device), more than one."""
-    first = tensors[0]
-    if len(tensors) < 2 or not first.is_cpu:
+def _small_on_cpu(tensors: list[torch.Tensor], total: int | None = None) -> bool:
+    """More than one tensor, on a CPU, small enough in all to copy. Dtypes may differ (a stack or a flat
+    copy promotes them); a tensor on another device makes the copy raise RuntimeError, and the callers
+    fall back to the foreach op (per-tensor checks would cost ~0.3 us a tensor on every call)."""
+    if len(tensors) < 2 or not tensors[0].is_cpu:
         return False
-    dtype = first.dtype
-    if total is None:
-        total = sum(t.numel() for t in tensors)
-    return total <= FLAT_MAX_ELEMENTS and all(t.dtype == dtype and t.is_cpu for t in tensors)
+    return (total if total is not None else sum(map(_numel, tensors))) <= FLAT_MAX_ELEMENTS
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == _F32 else t.to(_F32)
 
 
 def _foreach_norms(tensors: list[torch.Tensor], ord: float) -> torch.Tensor:
     """Per-tensor norms by the foreach op, computed in float32 (float64 when a tensor is: no narrowing
     cast is allowed there), returned as float32."""
     wide = any(t.dtype == torch.float64 for t in tensors)
-    return torch.stack(_foreach_norm(tensors, ord, dtype=torch.float64 if wide else _F32)).to(_F32)
+    return _f32(torch.stack(_foreach_norm(tensors, ord, dtype=torch.float64 if wide else _F32)))
 
 
 def amax_each(tensors: list[torch.Tensor], total: int | None = None) -> torch.Tensor:
@@ -51,23 +55,20 @@ def amax_each(tensors: list[torch.Tensor], total: int | None = None) -> torch.Te
     (len(tensors),). NaN propagates: max over a NaN is NaN (CPU amax, segment_reduce and vector_norm;
     CUDA's fused foreach kernel takes `max_propagate_nan`). Never writes into the tensors."""
     with torch.no_grad():
-        if len(tensors) == 1:  # a flush of one big output: one kernel, as a per-module check would be
+        n = len(tensors)
+        if n == 1:  # a flush of one big output: one kernel, as a per-module check would be
             t = tensors[0]
-            return (
-                torch.linalg.vector_norm(
-                    t, math.inf, dtype=torch.float64 if t.dtype == torch.float64 else _F32
-                )
-                .reshape(1)
-                .to(_F32)
-            )
-        if _flattenable(tensors, total):
-            shape = tensors[0].shape
-            if all(t.shape == shape for t in tensors):  # consecutive layers' outputs, often: one stack
-                stacked = torch.stack(tensors).view(len(tensors), -1)
-                return stacked.abs_().amax(1).to(_F32)
-            flat = _flatten(tensors).abs_()  # a fresh buffer (more than one tensor): in place is safe
-            lengths = torch.tensor([t.numel() for t in tensors])
-            return _segment_reduce(flat, "max", lengths=lengths).to(_F32)
+            wide = torch.float64 if t.dtype == torch.float64 else _F32
+            return _f32(torch.linalg.vector_norm(t, math.inf, dtype=wide).reshape(1))
+        if _small_on_cpu(tensors, total):
+            try:
+                if len(set(map(_shape, tensors))) == 1:  # consecutive layers' outputs, often: one stack
+                    return _f32(torch.stack(tensors).view(n, -1).abs_().amax(1))  # a fresh copy: in place
+                flat = _flatten(tensors).abs_()  # a fresh buffer (more than one tensor): in place is safe
+                lengths = torch.tensor(list(map(_numel, tensors)))
+                return _f32(_segment_reduce(flat, "max", lengths=lengths))
+            except RuntimeError:  # not all on the CPU
+                pass
         return _foreach_norms(tensors, math.inf)
 
 
@@ -83,15 +84,18 @@ class SquareSums:
 
     def __init__(self) -> None:
         self._key: tuple[int, ...] | None = None
+        self._flat = False  # small CPU tensors (`_small_on_cpu`): the stacked or flat path
         self._groups: list[list[int]] = []
         self._order: torch.Tensor | None = None  # group order -> list order (None: one group)
         self._lengths: torch.Tensor | None = None  # segment lengths (None: stacked groups)
 
     def _plan(self, tensors: list[torch.Tensor], key: tuple[int, ...]) -> None:
+        self._key, self._flat = key, _small_on_cpu(tensors)
+        if not self._flat:
+            return
         by_shape: dict[torch.Size, list[int]] = {}
         for i, t in enumerate(tensors):
             by_shape.setdefault(t.shape, []).append(i)
-        self._key = key
         if len(by_shape) > max(1, len(tensors) // 4):
             self._groups, self._order = [], None
             self._lengths = torch.tensor([t.numel() for t in tensors])
@@ -102,24 +106,32 @@ class SquareSums:
 
     def __call__(self, tensors: list[torch.Tensor], key: tuple[int, ...]) -> torch.Tensor:
         with torch.no_grad():
-            if not _flattenable(tensors):
-                norms = _foreach_norms(tensors, 2)
-                return norms.mul_(norms)
             if key != self._key:
-                self._plan(tensors, key)
-            wide = tensors[0].dtype in (_F32, torch.float64)  # else squared in float32: no overflow
-            if self._lengths is not None:
-                flat = _flatten(tensors)  # a fresh buffer (more than one tensor): squared in place
-                flat = flat if wide else flat.to(_F32)
-                return _segment_reduce(flat.mul_(flat), "sum", lengths=self._lengths).to(_F32)
-            sums = []
-            for group in self._groups:
-                rows = torch.stack([tensors[i] for i in group]).view(len(group), -1)  # a fresh copy
-                rows = rows if wide else rows.to(_F32)
-                sums.append(rows.mul_(rows).sum(1))
-            if self._order is None:
-                return sums[0].to(_F32)
-            return torch.cat(sums).index_select(0, self._order).to(_F32)
+                self._plan(tensors, key)  # a key's tensors keep their shapes, dtype and device
+            if self._flat:
+                try:
+                    return self._copied(tensors)
+                except RuntimeError:  # not all on the CPU
+                    self._flat = False
+            norms = _foreach_norms(tensors, 2)
+            return norms.mul_(norms)
+
+    def _copied(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        if self._lengths is not None:
+            flat = _wide(_flatten(tensors))  # a fresh buffer (more than one tensor): squared in place
+            return _f32(_segment_reduce(flat.mul_(flat), "sum", lengths=self._lengths))
+        sums = []
+        for group in self._groups:
+            rows = _wide(torch.stack([tensors[i] for i in group]).view(len(group), -1))  # a fresh copy
+            sums.append(rows.mul_(rows).sum(1))
+        if self._order is None:
+            return _f32(sums[0])
+        return _f32(torch.cat(sums).index_select(0, self._order))
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """float32 or float64 as it is; half precision in float32 (its squares would overflow)."""
+    return t if t.dtype in (_F32, torch.float64) else t.to(_F32)
 
 
 def transfer(records: list[StepRecord], cuda: bool) -> Chunk:

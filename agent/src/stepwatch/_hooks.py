@@ -13,6 +13,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -41,6 +42,8 @@ _compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_c
     lambda: False
 )
 _sum = torch.sum
+_grad_of = attrgetter("grad")
+_DENSE_TYPES = {torch.Tensor}  # the type of every gradient on the fast path (no None, no DTensor)
 _vector_norm = torch.linalg.vector_norm
 _f32 = torch.float32
 _perf = time.perf_counter
@@ -158,7 +161,7 @@ class Hooks:
         self._good_names: set[str] = set()
         self._params: list[torch.Tensor] = []
         self._all_key: tuple[int, ...] = ()  # ids of self._params
-        self._plain = True  # no DTensor and no sparse gradient seen on them: the list as it is
+        self._dense: bool | None = None  # their gradients are not sparse (None: not seen yet)
         self._grad_names: tuple[tuple[int, ...], tuple[str, ...]] = ((), ())
         tracked = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
         named = dict(model.named_modules())
@@ -318,13 +321,15 @@ class Hooks:
             params = self._params
             if len(params) != sum(len(g["params"]) for g in self.optimizer.param_groups):
                 params = self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
-                self._all_key, self._plain = tuple(map(id, params)), True
-            grads = [p.grad for p in params]
+                self._all_key, self._dense = tuple(map(id, params)), None
+            grads = list(map(_grad_of, params))  # C loops here and below: ~1000 parameters a step
             owners, key = params, self._all_key
-            if not self._plain or any(g is None or type(g) is not torch.Tensor or g.is_sparse for g in grads):
+            plain = set(map(type, grads)) == _DENSE_TYPES
+            if plain and self._dense is None:
+                self._dense = not any(map(attrgetter("is_sparse"), grads))
+            if not (plain and self._dense):
                 # Some parameter has no gradient this step, a sparse one, or a DTensor (this rank's
-                # shard is reduced): the per-parameter path from here on.
-                self._plain = False
+                # shard is reduced).
                 pairs = [
                     (p, g) for p, g in zip(params, grads, strict=True) if g is not None and not g.is_sparse
                 ]
