@@ -2,15 +2,15 @@
 
 A model of N `Linear(16, 16)` layers, batch 4, one torch thread: its compute is next to nothing, so the
 step time is host time (Python, hooks, op dispatch), the time a GPU step pays on the thread that
-launches its kernels. Each measurement is one child process that trains `--steps` steps (the first
-`--warmup` left out) and reports its median step time; bare and attached children alternate,
-`--rounds` each, so that drift lands on both. The attached child ships to a stdlib stub receiver on
-loopback (bench/_servers.py) with default settings.
-
-Reported per N: the median of the bare children's medians, of the attached ones', and the added host
-time per step (attached - bare), with the per-module share. With `--ref REF` a third child per round
-runs the agent of that commit (a detached worktree under /tmp, bench/_refs.py) in the same rotation,
-so that old and new are measured side by side against the same bare children.
+launches its kernels. Each measurement is one child process holding two copies of the model, one bare
+and one with the agent attached (default settings, shipping to a stdlib stub receiver on loopback,
+bench/_servers.py); it alternates their steps (ABBA), `--steps` each, and reports the median of each and
+the median of the paired differences (the first `--warmup` left out). Pairing step by step is what makes
+the figure hold on a machine whose speed drifts by 2x within a minute, as this one's did; one caveat:
+the agent's sender thread runs during both models' steps, so part of its GIL time lands on the bare one.
+With `--ref REF` the children of the agent of that commit (a detached worktree under /tmp,
+bench/_refs.py) alternate with this tree's, `--rounds` each. Reported per N and agent: the medians over
+rounds of the bare step, the paired added time and its share of the bare step.
 
     .venv/bin/python bench/host_cost.py [--n 12,100,500] [--rounds 5] [--steps 600] [--ref REF] [--json OUT]
 
@@ -33,45 +33,56 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _servers  # noqa: E402
 
 TARGETS_US = {12: 60.0, 100: 300.0, 500: 1200.0}
+# The same targets as a share of the bare step on the machine they were set on (bench/README.md, host
+# cost at 75b9b44: bare 272 / 1930 / 13755 us), for machines of another speed.
+TARGET_SHARES = {12: 60.0 / 272, 100: 300.0 / 1930, 500: 1200.0 / 13755}
 
 CHILD = r"""
 import json, statistics, sys, time
 import torch
 torch.set_num_threads(1)
 n, steps, warmup, url, spool = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-torch.manual_seed(0)
-model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(n)])
-opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-watch = None
-if url != "-":
-    import stepwatch
-    watch = stepwatch.attach(model, opt, run=f"host-cost-{n}", url=url, spool_dir=spool)
+
+def make():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(n)])
+    return model, torch.optim.SGD(model.parameters(), lr=1e-4)
+
+bare, attached = make(), make()
+import stepwatch
+watch = stepwatch.attach(*attached, run=f"host-cost-{n}", url=url, spool_dir=spool)
 x = torch.randn(4, 16)
-times = []
-for i in range(steps):
+
+def step(model, opt):
     t0 = time.perf_counter()
     loss = model(x).pow(2).mean()
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    if watch is not None:
-        watch.log(loss=loss)
-    times.append(time.perf_counter() - t0)
-if watch is not None:
-    watch.close(timeout_s=5)
-print(json.dumps({"median_s": statistics.median(times[warmup:])}))
+    return time.perf_counter() - t0
+
+times = {"bare": [], "attached": []}
+for i in range(steps):  # ABBA: each pair of steps one of each, alternating which goes first
+    order = (("bare", bare), ("attached", attached)) if i % 2 else (("attached", attached), ("bare", bare))
+    for name, (model, opt) in order:
+        times[name].append(step(model, opt))
+watch.close(timeout_s=5)
+b, a = times["bare"][warmup:], times["attached"][warmup:]
+print(json.dumps({"bare_s": statistics.median(b), "attached_s": statistics.median(a),
+                  "paired_s": statistics.median([y - z for y, z in zip(a, b)])}))
 """
 
 
-def child(n: int, steps: int, warmup: int, url: str, spool: str, agent_src: Path) -> float:
+def child(n: int, steps: int, warmup: int, url: str, spool: str, agent_src: Path) -> dict[str, float]:
     out = subprocess.run(
         [sys.executable, "-c", CHILD, str(n), str(steps), str(warmup), url, spool],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
+        capture_output=True, text=True, timeout=900, cwd=REPO,
         env={"PYTHONPATH": str(agent_src), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     if out.returncode != 0:
         raise RuntimeError(f"child failed ({out.returncode}): {out.stderr[-2000:]}")
-    return float(json.loads(out.stdout.strip().splitlines()[-1])["median_s"])
+    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,31 +105,34 @@ def main(argv: list[str] | None = None) -> int:
     with _servers.stub() as receiver:
         spool = str(Path("/tmp") / f"stepwatch-host-cost-{int(time.time())}")
         for n in sizes:
-            kinds = [("bare", "-", here), *((name, receiver.url, src) for name, src in agents)]
-            times: dict[str, list[float]] = {name: [] for name, _, _ in kinds}
+            runs: dict[str, list[dict[str, float]]] = {name: [] for name, _ in agents}
             for r in range(a.rounds):
-                for name, url, src in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:  # rotated
-                    times[name].append(child(n, a.steps, a.warmup, url, spool, src))
+                for name, src in agents[r % len(agents) :] + agents[: r % len(agents)]:  # rotated
+                    runs[name].append(child(n, a.steps, a.warmup, receiver.url, spool, src))
                 print(f"N={n} round {r + 1}/{a.rounds}: " + ", ".join(
-                    f"{name} {t[-1] * 1e6:.0f} us" for name, t in times.items()), file=sys.stderr, flush=True)  # fmt: skip
-            b = statistics.median(times["bare"])
+                    f"{name} +{got[-1]['paired_s'] * 1e6:.0f} us on {got[-1]['bare_s'] * 1e6:.0f} us"
+                    for name, got in runs.items()), file=sys.stderr, flush=True)  # fmt: skip
             for name, _ in agents:
-                t = statistics.median(times[name])
-                added_us = (t - b) * 1e6
+                got = runs[name]
+                b = statistics.median(g["bare_s"] for g in got)
+                added = statistics.median(g["paired_s"] for g in got)
+                share = statistics.median(g["paired_s"] / g["bare_s"] for g in got)
                 results.append({
-                    "n": n, "agent": name, "bare_us": round(b * 1e6, 1), "attached_us": round(t * 1e6, 1),
-                    "added_us": round(added_us, 1), "added_share": round((t - b) / b, 4),
-                    "per_module_us": round(added_us / n, 2), "target_us": TARGETS_US.get(n),
-                    "rounds": a.rounds, "steps": a.steps,
+                    "n": n, "agent": name, "bare_us": round(b * 1e6, 1),
+                    "attached_us": round(statistics.median(g["attached_s"] for g in got) * 1e6, 1),
+                    "added_us": round(added * 1e6, 1), "added_share": round(share, 4),
+                    "per_module_us": round(added * 1e6 / n, 2), "target_us": TARGETS_US.get(n),
+                    "target_share": TARGET_SHARES.get(n), "rounds": a.rounds, "steps": a.steps,
                 })  # fmt: skip
-    print("| tracked Linear modules | agent | bare step | attached step | added per step | share of bare "
-          "| per module | target |")  # fmt: skip
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("| tracked Linear modules | agent | bare step | attached step | added per step (paired) | share of "
+          "bare | per module | target | target as a share |")  # fmt: skip
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for row in results:
         target = f"<= {row['target_us']:.0f} us" if row["target_us"] else "-"
+        share = f"<= {row['target_share']:.1%}" if row["target_share"] else "-"
         print(f"| {row['n']} | {row['agent']} | {row['bare_us']:.0f} us | {row['attached_us']:.0f} us | "
               f"{row['added_us']:.0f} us | {row['added_share']:.1%} | {row['per_module_us']:.2f} us | "
-              f"{target} |")  # fmt: skip
+              f"{target} | {share} |")  # fmt: skip
     if a.json:
         a.json.write_text(json.dumps({"results": results}, indent=2))
     return 0

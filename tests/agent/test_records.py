@@ -380,3 +380,56 @@ def test_tracked_outputs_wait_in_bounded_groups_are_released_with_the_forward_an
     assert sorted(reported) == [1, 2, 3, 4]
     for s, want in true_amax.items():
         assert reported[s] == pytest.approx(want, rel=1e-6), s
+
+
+def test_small_and_big_outputs_keep_call_order_and_exact_amax(
+    receiver: Receiver, fast: dict[str, Any]
+) -> None:
+    """On a CPU, small outputs wait for one stacked reduction and a big one (DIRECT_ELEMENTS and more)
+    is reduced on its own: a copy of it would cost more memory traffic than the dispatch it saves. The
+    values stay in call order across both: the first module to go non-finite is the one named, and
+    each module's amax is its own max |output|."""
+    from stepwatch._hooks import DIRECT_ELEMENTS
+
+    width = 2 * DIRECT_ELEMENTS // 8 + 8  # a batch of 8 rows: the wide layer's output is big
+
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.small_in = nn.Linear(4, 4)
+            self.wide = nn.Linear(4, width)
+            self.narrow = nn.Linear(width, 4)
+            self.small_out = nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.small_out(self.narrow(self.wide(self.small_in(x)))).pow(2).mean()
+
+    torch.manual_seed(0)
+    model = Mixed()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    true_amax: dict[int, dict[str, float]] = {}
+    step = [0]
+    for name, module in model.named_children():
+        module.register_forward_hook(
+            lambda m, a, out, name=name: true_amax.setdefault(step[0], {}).__setitem__(
+                name, float(out.detach().abs().max())
+            )
+        )
+    watch = stepwatch.attach(model, opt, run="mixed", url=receiver.url, amax_every=1, **fast)
+    for step[0] in range(1, 7):
+        x = torch.randn(8, 4)
+        if step[0] == 5:
+            x[0, 0] = math.inf  # enters small_in first: it, not a later (bigger) layer, is to blame
+        model(x).backward()
+        opt.step()
+        opt.zero_grad()
+        if step[0] == 5:
+            break
+    watch.close(timeout_s=5)
+    batches = receiver.accepted()
+    reported = {s: {n: v[i] for n, v in b["tensors"]["stats"]["amax"].items()}
+                for b in batches if "tensors" in b for i, s in enumerate(b["tensors"]["steps"])}  # fmt: skip
+    for s in range(1, 5):
+        assert reported[s] == pytest.approx(true_amax[s], rel=1e-6), s
+    events = [e for b in batches for e in b.get("events", []) if e["kind"] == "nonfinite"]
+    assert [(e["step"], e["data"]["module"]) for e in events] == [(5, "small_in")]

@@ -50,6 +50,12 @@ def _foreach_norms(tensors: list[torch.Tensor], ord: float) -> torch.Tensor:
     return _f32(torch.stack(_foreach_norm(tensors, ord, dtype=torch.float64 if wide else _F32)))
 
 
+def amax_one(t: torch.Tensor) -> torch.Tensor:
+    """max |x| of one tensor as a 1-element float32 vector: one kernel, NaN kept."""
+    wide = torch.float64 if t.dtype == torch.float64 else _F32
+    return _f32(torch.linalg.vector_norm(t.detach(), math.inf, dtype=wide).reshape(1))
+
+
 def amax_each(tensors: list[torch.Tensor], total: int | None = None) -> torch.Tensor:
     """max |x| of each tensor (non-empty, floating; `total` their elements when known), float32, shape
     (len(tensors),). NaN propagates: max over a NaN is NaN (CPU amax, segment_reduce and vector_norm;
@@ -57,9 +63,7 @@ def amax_each(tensors: list[torch.Tensor], total: int | None = None) -> torch.Te
     with torch.no_grad():
         n = len(tensors)
         if n == 1:  # a flush of one big output: one kernel, as a per-module check would be
-            t = tensors[0]
-            wide = torch.float64 if t.dtype == torch.float64 else _F32
-            return _f32(torch.linalg.vector_norm(t, math.inf, dtype=wide).reshape(1))
+            return amax_one(tensors[0])
         if _small_on_cpu(tensors, total):
             try:
                 if len(set(map(_shape, tensors))) == 1:  # consecutive layers' outputs, often: one stack
