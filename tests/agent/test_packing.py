@@ -118,6 +118,7 @@ def test_square_sums_match_the_per_tensor_norm_and_leave_the_gradients_alone() -
         grads,  # float64 among them: promoted, squared in float64
         grads[:1],
         [torch.randn(_device.FLAT_MAX_ELEMENTS), grads[1]],  # too big to copy
+        [torch.randn(64, 128), *layers, torch.randn(5000)],  # big ones by foreach, put back in order
     )
     for tensors in cases:
         before = [t.clone() for t in tensors]
@@ -139,3 +140,19 @@ def test_encode_writes_non_finite_values_as_strings() -> None:
 
     finite = _batch.build({"schema": 1, "run": "NaN-run"}, rows[:1], [], {"ts": 0.0, "phase": "x"})
     assert json.loads(gzip.decompress(_batch.encode(finite)))["metrics"] == {"loss": [1.5], "g": [None]}
+
+
+def test_check_one_is_the_max_abs_or_on_a_cpu_step_without_amax_a_value_as_finite_as_the_tensor() -> None:
+    nan, inf = math.nan, math.inf
+    for t, amax in (
+        (torch.tensor([[1.0, -3.0], [2.0, 0.5]]), 3.0),
+        (torch.tensor([1.0, nan, -inf]), nan),
+        (torch.tensor([-inf, 2.0]), inf),
+        (torch.tensor([-4.0, 2.0], dtype=torch.float64), 4.0),
+        (torch.tensor([-4.0, 2.0], dtype=torch.bfloat16), 4.0),
+    ):
+        got = _device.check_one(t)
+        assert got.dtype == torch.float32 and got.shape == (1,)
+        assert str(got.item()) == str(amax)
+        quick = _device.check_one(t, amax=False).item()  # the sum on a CPU: only its finiteness is read
+        assert math.isfinite(quick) == math.isfinite(amax) and math.isnan(quick) == math.isnan(amax)

@@ -18,6 +18,10 @@ _F32 = torch.float32
 # (bench/README.md, host_cost). Beyond it (or on any other device: one fused kernel on CUDA) the
 # foreach op; the copy would cost memory, and big tensors' own compute outweighs a dispatch.
 FLAT_MAX_ELEMENTS = 1 << 20
+# A CPU tensor of more elements is reduced by itself, never copied: the copy costs more memory traffic
+# than the dispatch it saves (two passes more than a reduction, about 0.5 ns an element here, against
+# ~3-10 us a dispatch; measured on 96 x 256 outputs: stacked 11.4 us each, alone 7-14 us).
+SMALL_ELEMENTS = 4096
 _flatten = torch._utils._flatten_dense_tensors
 _segment_reduce = torch.segment_reduce
 _foreach_norm = torch._foreach_norm
@@ -50,10 +54,18 @@ def _foreach_norms(tensors: list[torch.Tensor], ord: float) -> torch.Tensor:
     return _f32(torch.stack(_foreach_norm(tensors, ord, dtype=torch.float64 if wide else _F32)))
 
 
-def amax_one(t: torch.Tensor) -> torch.Tensor:
-    """max |x| of one tensor as a 1-element float32 vector: one kernel, NaN kept."""
+def check_one(t: torch.Tensor, amax: bool = True) -> torch.Tensor:
+    """One tensor's check as a 1-element float32 vector, in one or two kernels: its max |x| when `amax`,
+    else a value that is non-finite exactly when an element is (NaN kept either way). On a CPU that
+    value is the float32 sum (~7 us on 24k elements, where `vector_norm(inf)` takes ~90 us there), which
+    also overflows when the elements add up beyond ~3e38; the max |x| is abs + amax there."""
+    t = t.detach()
+    if t.is_cpu:
+        if amax:
+            return _f32(t.abs().amax().reshape(1))
+        return _f32(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else _F32).reshape(1))
     wide = torch.float64 if t.dtype == torch.float64 else _F32
-    return _f32(torch.linalg.vector_norm(t.detach(), math.inf, dtype=wide).reshape(1))
+    return _f32(torch.linalg.vector_norm(t, math.inf, dtype=wide).reshape(1))
 
 
 def amax_each(tensors: list[torch.Tensor], total: int | None = None) -> torch.Tensor:
@@ -63,7 +75,7 @@ def amax_each(tensors: list[torch.Tensor], total: int | None = None) -> torch.Te
     with torch.no_grad():
         n = len(tensors)
         if n == 1:  # a flush of one big output: one kernel, as a per-module check would be
-            return amax_one(tensors[0])
+            return check_one(tensors[0])
         if _small_on_cpu(tensors, total):
             try:
                 if len(set(map(_shape, tensors))) == 1:  # consecutive layers' outputs, often: one stack
@@ -78,59 +90,64 @@ def amax_each(tensors: list[torch.Tensor], total: int | None = None) -> torch.Te
 
 class SquareSums:
     """The squared L2 norm of each tensor of a list (gradients), float32, shape (len,), in a few fused
-    ops. `key` names the list's tensors (the ids of their parameters); the plan for it (which tensors
-    share a shape, the lengths) is made again only when the key changes.
+    ops. `key` names the list's tensors (the ids of their parameters); the plan for it is made again
+    only when the key changes.
 
-    Small CPU tensors: those of one shape are stacked (one copy, ~0.3 us a tensor here, a third of
-    `_flatten_dense_tensors`), squared and summed per row, and the rows put back in the list's order;
-    with more shapes than a quarter of the tensors, one flat copy and one `segment_reduce`. Otherwise
-    the foreach norm (one fused kernel on CUDA)."""
+    On a CPU, small tensors (SMALL_ELEMENTS or fewer) of one shape are stacked (one copy, ~0.3 us a
+    tensor here, a third of `_flatten_dense_tensors`), squared and summed per row; with more shapes
+    than a quarter of them, one flat copy and one `segment_reduce`; bigger tensors, and every tensor
+    elsewhere, by the foreach norm (one fused kernel on CUDA). The parts are put back in list order."""
 
     def __init__(self) -> None:
         self._key: tuple[int, ...] | None = None
-        self._flat = False  # small CPU tensors (`_small_on_cpu`): the stacked or flat path
-        self._groups: list[list[int]] = []
-        self._order: torch.Tensor | None = None  # group order -> list order (None: one group)
-        self._lengths: torch.Tensor | None = None  # segment lengths (None: stacked groups)
+        self._parts: list[tuple[str, list[int]]] = []  # ("stack" | "flat" | "each", indices)
+        self._lengths: torch.Tensor | None = None  # the "flat" part's segment lengths
+        self._order: torch.Tensor | None = None  # parts' order -> list order (None: the same)
 
     def _plan(self, tensors: list[torch.Tensor], key: tuple[int, ...]) -> None:
-        self._key, self._flat = key, _small_on_cpu(tensors)
-        if not self._flat:
+        self._key, self._lengths = key, None
+        every = list(range(len(tensors)))
+        small = [i for i in every if tensors[i].numel() <= SMALL_ELEMENTS] if tensors[0].is_cpu else []
+        if len(small) < 2:
+            self._parts, self._order = [("each", every)], None
             return
         by_shape: dict[torch.Size, list[int]] = {}
-        for i, t in enumerate(tensors):
-            by_shape.setdefault(t.shape, []).append(i)
-        if len(by_shape) > max(1, len(tensors) // 4):
-            self._groups, self._order = [], None
-            self._lengths = torch.tensor([t.numel() for t in tensors])
-            return
-        self._groups, self._lengths = list(by_shape.values()), None
-        placed = [i for group in self._groups for i in group]
-        self._order = torch.tensor(placed).argsort() if len(self._groups) > 1 else None
+        for i in small:
+            by_shape.setdefault(tensors[i].shape, []).append(i)
+        if len(by_shape) > max(1, len(small) // 4):
+            parts = [("flat", small)]
+            self._lengths = torch.tensor([tensors[i].numel() for i in small])
+        else:
+            parts = [("stack", group) for group in by_shape.values()]
+        taken = set(small)
+        big = [i for i in every if i not in taken]
+        if big:
+            parts.append(("each", big))
+        self._parts = parts
+        placed = [i for _, indices in parts for i in indices]
+        self._order = None if placed == every else torch.tensor(placed).argsort()
 
     def __call__(self, tensors: list[torch.Tensor], key: tuple[int, ...]) -> torch.Tensor:
         with torch.no_grad():
             if key != self._key:
                 self._plan(tensors, key)  # a key's tensors keep their shapes, dtype and device
-            if self._flat:
-                try:
-                    return self._copied(tensors)
-                except RuntimeError:  # not all on the CPU
-                    self._flat = False
+            try:
+                sums = [self._part(kind, [tensors[i] for i in indices]) for kind, indices in self._parts]
+            except RuntimeError:  # not all on the CPU: the foreach op for all of them from now on
+                self._parts, self._order = [("each", list(range(len(tensors))))], None
+                sums = [self._part("each", tensors)]
+            out = sums[0] if len(sums) == 1 else torch.cat(sums)
+            return _f32(out if self._order is None else out.index_select(0, self._order))
+
+    def _part(self, kind: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+        if kind == "each":
             norms = _foreach_norms(tensors, 2)
             return norms.mul_(norms)
-
-    def _copied(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        if self._lengths is not None:
-            flat = _wide(_flatten(tensors))  # a fresh buffer (more than one tensor): squared in place
-            return _f32(_segment_reduce(flat.mul_(flat), "sum", lengths=self._lengths))
-        sums = []
-        for group in self._groups:
-            rows = _wide(torch.stack([tensors[i] for i in group]).view(len(group), -1))  # a fresh copy
-            sums.append(rows.mul_(rows).sum(1))
-        if self._order is None:
-            return _f32(sums[0])
-        return _f32(torch.cat(sums).index_select(0, self._order))
+        if kind == "flat":  # two or more tensors: a fresh buffer, squared in place
+            flat = _wide(_flatten(tensors))
+            return _segment_reduce(flat.mul_(flat), "sum", lengths=self._lengths)
+        rows = _wide(torch.stack(tensors).view(len(tensors), -1))  # a fresh copy
+        return rows.mul_(rows).sum(1)
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from torch import nn
 
 from ._capacity import device_capacity_mb
 from ._config import Config
-from ._device import Fingerprinter, SquareSums, amax_each, amax_one, local, transfer
+from ._device import SMALL_ELEMENTS, Fingerprinter, SquareSums, amax_each, check_one, local, transfer
 from ._guard import Guard
 from ._layout import Layout
 from ._records import Chunk, Live, StepRecord
@@ -36,11 +36,10 @@ RING_ROWS = 2 * STEPS_PER_TRANSFER + 2
 # elements are queued (16 MiB of float32), or the root forward ends: what the agent keeps alive.
 FLUSH_CALLS = 32
 FLUSH_ELEMENTS = 1 << 22
-# On a CPU an output of more elements is reduced on its own, at once: copying it into a stack costs
-# more memory traffic than the dispatch it saves (two passes more than a reduction: about 0.5 ns an
-# element here, against ~3-10 us a dispatch). On CUDA every output waits: the foreach kernel reads
-# each in place.
-DIRECT_ELEMENTS = 4096
+# On a CPU an output of more elements is checked on its own, at once (`_device.SMALL_ELEMENTS`: a copy
+# into a stack would cost more than the dispatch it saves). On CUDA every output waits: the foreach
+# kernel reads each in place.
+DIRECT_ELEMENTS = SMALL_ELEMENTS
 _grad_enabled = torch.is_grad_enabled
 _compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (
     lambda: False
@@ -564,13 +563,13 @@ class Tap:
             cur = hooks._cur
             if _compiling():  # traced into the graph: no host cost there, and no Python state to flush
                 cur.calls.append(self.slot)
-                cur.amax.append(amax_one(t))
+                cur.amax.append(check_one(t))
                 return out
             if n > DIRECT_ELEMENTS and not hooks.cuda:
                 if cur.pending:
                     hooks.flush()  # the waiting calls first: values stay in call order
                 cur.calls.append(self.slot)
-                cur.amax.append(amax_one(t))
+                cur.amax.append(check_one(t, cur.sampled))  # a step that ships no amax: a sum will do
                 return out
             # Not detached (one op less): the reduction runs under no_grad and only reads it.
             cur.pending.append(t)

@@ -32,7 +32,8 @@ class StepRecord:
     - from `offset`: one scalar per `hook_names`, one per `log_names`;
     - from `voffset`: one max |x| per item of `amax_calls` (a tracked module's call this step, in call
       order, by its index in `amax_names`; non-finite when the output had a non-finite element; shipped
-      per module, the max over its calls, when `ship_amax`), then one grad norm per `grad_names`,
+      per module, the max over its calls, when `ship_amax`, and else only that finiteness is read: a big
+      CPU output's value is its sum there), then one grad norm per `grad_names`,
       then 4 float 16-bit words of the fingerprint when `fingerprint`.
     Until the transfer, `scalars` holds the 0-dim device tensors of the first part and `vectors` the
     1-dim ones of the second (few steps have any).

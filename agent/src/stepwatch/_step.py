@@ -86,7 +86,8 @@ class Step:
     def __init__(self, sampled: bool, row: Sequence[torch.Tensor] = ()) -> None:
         # Tracked modules' calls this step, in call order: the module's slot (`_hooks.Tap`), and in
         # `amax` 1-dim float32 device tensors that hold max |x| of each call's output, in the same
-        # order (non-finite exactly when an element was). Shipped per module when `sampled`.
+        # order (non-finite exactly when an element was; on a step that is not `sampled` a big CPU
+        # output's value is its sum, read only for that). Shipped per module when `sampled`.
         self.calls: list[int] = []
         self.amax: list[torch.Tensor] = []
         self.sampled = sampled
