@@ -246,6 +246,29 @@ def test_a_rank_ahead_of_the_others_is_not_their_culprit() -> None:
     assert hang.rank is None and hang.evidence["mode"] == "together" and hang.severity == "warning"
 
 
+def test_the_end_of_a_pause_of_every_rank_is_not_a_hang_on_the_ranks_whose_heartbeat_is_older() -> None:
+    """An unmarked 90 s eval of an agent that reports no activity: every rank between steps, together.
+    When it ends, the ranks whose heartbeat came after the end say `forward` (they went on and wait in
+    the next step for the others), those whose last heartbeat came before it still say `data`: for a few
+    seconds a minority reads as behind. That is the pause ending, not a hang; a rank that is still in
+    `data` one threshold after the others went on is one, blamed."""
+    run = HandRun(world_size=16, step_s=1.0)
+    run.train(1, 100)
+    run.wait(90.0, activity=False)
+    went_on = dict.fromkeys(range(10), "forward")
+    run.wait(10.0, phase=went_on, activity=False)
+    assert run.hangs() == [], _summaries(run)
+    run.train(101, 8)
+    assert run.anomalies == [], _summaries(run)
+
+    run = HandRun(world_size=16, step_s=1.0)
+    run.train(1, 100)
+    run.wait(90.0, activity=False)
+    run.wait(40.0, phase=went_on, activity=False)  # ranks 10-15 never come back from the pause
+    (hang,) = run.hangs()
+    assert hang.evidence["blamed_by"] == "phase" and hang.rank == 10 and hang.evidence["n_culprits"] == 6
+
+
 def test_a_stuck_culprit_is_still_blamed_and_a_dead_one_even_while_others_evaluate() -> None:
     run = HandRun()
     run.train(1, 100)

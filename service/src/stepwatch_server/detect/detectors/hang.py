@@ -36,7 +36,9 @@ Judging a stall, in this order:
 4. Every rank stalled together (no culprit, none dead, all with the same last step and phase, nothing
    recognised: an unmarked pause the agent cannot see, such as a CPU-side evaluation that does not call
    the watched model, or a run restarted without new sessions) is at most a warning, never critical,
-   with mode `together`.
+   with mode `together`. When such a stall between steps ends, the ranks whose last heartbeat came
+   before its end still say `data` while those that went on say `forward`: for one threshold after the
+   last look that saw them together, nothing else is judged (a rank still behind then is a hang).
 5. Anything else is a hang: warning when raised; critical once the stall reaches `critical_factor` x the
    threshold or the culprit is dead. A culprit whose heartbeats still arrive is "stuck".
 One anomaly per run (key `run`), resolved as soon as any rank completes a new step, or when a later look
@@ -133,6 +135,7 @@ class HangDetector(Detector):
         self._pause_since_ts = float("nan")  # start of the current (continuous) marked pause
         self._busy_seen_ts = float("nan")  # newest event time a stall was recognised as an unmarked pause
         self._busy_since_ts = float("nan")  # start of the stall that is recognised as one
+        self._together_seen_ts = float("nan")  # newest look at every rank between steps, together
         self._last_update_ts = float("nan")
 
     def on_tick(self, event_now: float, wall_now: float) -> None:
@@ -189,7 +192,14 @@ class HangDetector(Detector):
         if existing is not None and event_now - self._last_update_ts < UPDATE_EVERY_S:
             return
         look = self.look(event_now)
-        if look.together and stalled_s < self.s.together_idle_s and self._between_steps(look):
+        if look.together and self._between_steps(look):
+            self._together_seen_ts = event_now
+            if stalled_s < self.s.together_idle_s:
+                return
+        elif event_now - self._together_seen_ts < threshold_s:
+            # Every rank was just paused together between steps: the pause is ending, and the ranks whose
+            # last heartbeat came before its end still say `data` while those that went on say `forward`.
+            # A rank that is still behind one threshold after the others went on is judged then.
             return
         busy = None if look.reason == "dead" else self._busy(look)
         pause_s: float | None = None
