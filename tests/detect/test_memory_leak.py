@@ -53,10 +53,12 @@ H100_MB = 81_559.0
 
 
 def _run(
-    alloc: np.ndarray, capacity_mb: float | None = H100_MB, step_ms: float = 500.0
+    alloc: np.ndarray, capacity_mb: float | None = H100_MB, step_ms: float = 500.0, ranks_per_node: int = 0
 ) -> tuple[RunContext, list[Anomaly]]:
     """Feed (steps, ranks) allocated MB to a fresh detector; every anomaly raised, as last seen."""
     ctx = RunContext("r", alloc.shape[1])
+    if ranks_per_node:
+        ctx.node[:] = [f"gpu-{r // ranks_per_node:03d}" for r in range(alloc.shape[1])]
     det = MemoryLeakDetector(ctx, MemoryLeakDetector.Settings())
     seen: dict[int, Anomaly] = {}
     for i, row in enumerate(alloc):
@@ -237,3 +239,42 @@ def test_a_fast_sawtooth_climbing_back_to_its_old_peak_is_not_a_leak() -> None:
         (a.rank, a.first_step) for a in anomalies
     ]
     assert len(anomalies) <= 1
+
+
+def test_the_same_local_rank_leaking_on_every_node_is_one_anomaly_naming_them() -> None:
+    """Local rank 0 of each node (ranks 0 and 8 of 2 nodes of 8) growing at one pace is one code path
+    (the node's logging or decoding rank): one anomaly for the local rank, not one per node. Two ranks
+    that are not the same local rank are two leaks."""
+    steps = np.arange(1500)[:, None]
+    alloc = _base(1500, 16)
+    alloc[:, [0, 8]] += np.clip(steps - 600, 0, None) * 8.0
+    _, anomalies = _run(alloc, ranks_per_node=8)
+    (a,) = anomalies
+    assert a.key == "local_rank:0" and a.rank is None and a.evidence["ranks"] == [0, 8], a.summary
+    assert a.evidence["local_rank"] == 0 and a.evidence["n_ranks"] == 2
+    assert a.summary.startswith("local rank 0 of 2 nodes (ranks 0, 8): allocated memory growing 8.00 MB/step")
+
+    alloc = _base(1500, 16)
+    alloc[:, [0, 9]] += np.clip(steps - 600, 0, None) * 8.0
+    _, anomalies = _run(alloc, ranks_per_node=8)
+    assert sorted(a.key for a in anomalies) == ["rank:0", "rank:9"]
+
+
+def test_allocator_steps_stacked_on_a_sawtooth_climb_are_not_a_leak_and_a_leak_beside_one_is() -> None:
+    """final2-013: rank 0 collects 375 MB over 195 steps and lets it go, again and again, and two
+    allocator step-ups (+1.1 GB at once, +0.75 GB over 40 steps) land on it within 350 steps. Every part
+    of a 310-step window grows block to block (the climb) and the troughs rise (the steps): +885 MB, a
+    leak by every bar but one. Its continuous rise, the growths without the step-ups, is the sawtooth's,
+    which its drops cancel. A 1.5 MB/step leak under the same sawtooth and steps is still found."""
+    t = np.arange(1, 2001, dtype=np.float64)
+    saw = 375.0 * ((t - 1) % 195) / 195
+    steps = 1100.0 * (t >= 430) + 750.0 * np.clip((t - 750) / 40, 0.0, 1.0)
+    alloc = _base(2000, 4, level_mb=70_000.0)
+    alloc[:, 0] += saw + steps
+    _, anomalies = _run(alloc, step_ms=1280.0)
+    assert anomalies == [], [a.summary for a in anomalies]
+
+    alloc[:, 0] += 1.5 * np.clip(t - 300, 0, None)
+    _, anomalies = _run(alloc, step_ms=1280.0)
+    assert anomalies and {a.rank for a in anomalies} == {0}, [a.summary for a in anomalies]
+    assert anomalies[0].detected_step < 1300

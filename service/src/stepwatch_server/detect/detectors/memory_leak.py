@@ -21,6 +21,10 @@ one needs the long one). The growth per step between consecutive block means is 
 `sub_windows` consecutive parts; a window leaks when all of these hold:
 - **sustained**: the median growth of every part is at least `min_mb_per_step` and `part_z` standard
   errors (from the spread of the growths themselves): an allocator step moves one part, not all;
+- **big enough**: the window's continuous rise (its block-to-block growths, each step-up more than
+  `step_up_z` noise SDs above the window's median growth cut down to that bound) is at least
+  `min_growth_mb`, more in a window shorter than `growth_ref_steps`: steps stacked on a sawtooth's
+  climb lift its troughs, but its drops cancel its climb;
 - **not slowing**: the last part grows at least `keep_ratio` as fast as the first (a drift that levels
   off fails), and the window's net rise is at least `net_fraction` of slope x span (a sawtooth that
   dropped back fails); the floor rises too: the lowest block of the last part is above the lowest of
@@ -41,7 +45,9 @@ One anomaly per leaking rank; when at least `run_fraction` of the reporting rank
 `max_rank_anomalies`, it is one run-level anomaly (key `run`, a leak in the training code itself),
 with rank-level ones only for ranks leaking `outlier_factor` x faster than the run's median leak
 (a second, different leak hides behind nothing); while it is open, a rank that crosses the bar later
-is part of it whatever the count of ranks leaking at that moment.
+is part of it whatever the count of ranks leaking at that moment. The same local rank leaking on
+`role_min_nodes` nodes or more at one pace (within `role_pace_ratio`) is one anomaly (key
+`local_rank:K`): one code path on every node's local rank 0, not one problem per node.
 
 A run resumed from a checkpoint (steps go back) starts the history again.
 
@@ -67,6 +73,7 @@ from stepwatch_server.detect.frames import StepFrame
 
 KIND = "memory_leak"
 RUN_KEY = "run"
+ROLE_PREFIX = "local_rank:"  # key of one anomaly for the same local rank leaking on several nodes
 METRICS = ("mem.allocated_mb", "mem.rss_mb")  # the first one a rank reports is tracked
 CAPACITY_METRIC = "mem.capacity_mb"
 PEAK_METRIC = "mem.peak_mb"
@@ -87,6 +94,7 @@ class MemoryLeakSettings(DetectorSettings):
     horizon_s: float = 12 * 3600.0  # out-of-memory projected within this: a leak
     min_growth_mb: float = 512.0  # a window's own rise must be this much: drifts and steps stay below
     growth_ref_steps: int = 300  # ... and a shorter window proportionally more (a 70-step one ~2.2 GB)
+    step_up_z: float = 3.0  # a block growth this many noise SDs above the window's usual one is a step-up
     warmup_steps: int = 50  # first steps of a run or a restart: optimizer state and buffers appear
     growth_share: float = 1.0  # no capacity known: projected growth >= this share of current memory
     grown_share: float = 0.05  # or the window's own rise >= this share of what the rank held
@@ -94,6 +102,8 @@ class MemoryLeakSettings(DetectorSettings):
     max_rank_anomalies: int = 8  # more leaking ranks than this: one run-level anomaly
     outlier_factor: float = 2.0  # under a run-level leak, a rank this much faster gets its own
     critical_oom_s: float = 3600.0  # projected out-of-memory sooner than this: critical
+    role_min_nodes: int = 2  # the same local rank leaking on this many nodes at one pace: one anomaly
+    role_pace_ratio: float = 1.5  # ... their paces within this factor of each other
 
 
 @dataclass
@@ -214,7 +224,13 @@ class MemoryLeakDetector(Detector):
         slope = net / np.maximum(span, 1.0)  # the window's pace
         # The block means' own noise, from the spread of consecutive differences, sets each part's bar.
         diffs = np.diff(means, axis=0)
-        noise = MAD_TO_SD * np.median(np.abs(diffs - np.median(diffs, axis=0)), axis=0)
+        usual = np.median(diffs, axis=0)
+        noise = MAD_TO_SD * np.median(np.abs(diffs - usual), axis=0)
+        # The window's continuous rise: its block-to-block growths with step-ups (an allocator plateau,
+        # an evaluation's buffers) cut down to the usual growth. A leak grows block after block; steps
+        # stacked on a sawtooth's climb rise as much in net, but not continuously (its drops cancel the
+        # climb), so the size bars below are judged on this.
+        continuous = np.minimum(diffs, usual + s.step_up_z * noise).sum(axis=0)
         bar = np.maximum(s.min_mb_per_step, s.part_z * noise / part_steps)
         # ... and each part's typical step-to-step growth (the median of its block differences): a leak
         # grows continuously; step-ups that pile up (allocator fragmentation) rise in jumps between
@@ -240,7 +256,9 @@ class MemoryLeakDetector(Detector):
             # ... and above its own earlier peaks inside the window by half what its last part adds.
             head = int(ends[-2])
             kept &= means[-1] - means[: head + 1].max(axis=0) >= s.net_fraction * (means[-1] - means[head])
-            kept &= net >= s.min_growth_mb * np.maximum(1.0, s.growth_ref_steps / np.maximum(span, 1.0))
+            kept &= continuous >= s.min_growth_mb * np.maximum(
+                1.0, s.growth_ref_steps / np.maximum(span, 1.0)
+            )
             # ... and its floor rises with it: the lowest block of the last part is above the lowest of the
             # first by half the net rise. A leak lifts the troughs too; a sawtooth's drops come back to
             # its base, so its phase at the window's ends (what the net and the parts' ends see) is not
@@ -278,7 +296,7 @@ class MemoryLeakDetector(Detector):
             )
             # Or it already grew by a share of what the rank holds, still at its pace: a leak whatever
             # the capacity (a rank far from full that keeps growing is still a bug).
-            threat |= net >= s.grown_share * np.maximum(means[0], 0.0)
+            threat |= continuous >= s.grown_share * np.maximum(means[0], 0.0)
             half = np.all(parts >= bar / 2, axis=0) & (last >= s.keep_ratio / 2 * first)
             half &= np.all(typical >= s.min_mb_per_step / 2, axis=0)
         return _Window(
@@ -325,14 +343,53 @@ class MemoryLeakDetector(Detector):
             order = np.argsort(-slopes)
             fast = [int(rank_level[i]) for i in order if slopes[i] >= s.outlier_factor * self._run_median]
             rank_level = np.array(fast[: s.max_rank_anomalies], dtype=np.int64)
+        paces = np.array([windows[chosen[r]].parts[-1, r] for r in rank_level])
+        for role, ranks in self._same_role(rank_level, paces, run_level).items():
+            # The same local rank of several nodes leaking at one pace: one code path (local rank 0
+            # logging or decoding for its node), one anomaly, not one per node.
+            worst = int(ranks[np.argmax([windows[chosen[r]].parts[-1, r] for r in ranks])])
+            self._raise(role, None, frame, windows[chosen[worst]], worst, ranks=ranks)
+            for r in ranks.tolist():
+                if ctx.book.is_open(KIND, f"rank:{r}"):
+                    ctx.book.resolve(KIND, f"rank:{r}", step=frame.step, ts=frame.ts, note=f"part of {role}")
+            rank_level = rank_level[~np.isin(rank_level, ranks)]
         for r in rank_level.tolist():
             self._raise(f"rank:{r}", r, frame, windows[chosen[r]], r)
         book = ctx.book
         for a in book.open_of(KIND):
             # A run-level leak's last ranks still growing are part of it, not new leaks.
-            still = bool(growing.any()) if a.key == RUN_KEY else a.rank is not None and bool(growing[a.rank])
+            if a.key == RUN_KEY:
+                still = bool(growing.any())
+            elif a.key.startswith(ROLE_PREFIX):
+                still = bool(growing[np.asarray(a.evidence.get("ranks", []), dtype=np.int64)].any())
+            else:
+                still = a.rank is not None and bool(growing[a.rank])
             if not still:
                 book.resolve(KIND, a.key, step=frame.step, ts=frame.ts, note="memory stopped growing")
+
+    def _same_role(self, ranks: np.ndarray, paces: np.ndarray, run_level: bool) -> dict[str, np.ndarray]:
+        """key -> ranks, for leaking ranks that hold the same local rank (position among their node's
+        ranks) on at least `role_min_nodes` nodes and leak within `role_pace_ratio` of one pace."""
+        ctx, s = self.ctx, self.s
+        if run_level or ranks.size < s.role_min_nodes:
+            return {}
+        local: dict[int, list[int]] = {}
+        for r in ranks.tolist():
+            node = ctx.node[r]
+            if node is not None:
+                local.setdefault(int(np.searchsorted(ctx.ranks_of_node(node), r)), []).append(r)
+        pace = dict(zip(ranks.tolist(), paces.tolist(), strict=True))
+        out: dict[str, np.ndarray] = {}
+        for k, members in sorted(local.items()):
+            group = [pace[r] for r in members]
+            nodes = {ctx.node[r] for r in members}
+            if (
+                len(nodes) >= s.role_min_nodes
+                and min(group) > 0
+                and max(group) <= s.role_pace_ratio * min(group)
+            ):
+                out[f"{ROLE_PREFIX}{k}"] = np.array(members, dtype=np.int64)
+        return out
 
     def _raise(
         self, key: str, rank: int | None, frame: StepFrame, w: _Window, r: int,
@@ -376,6 +433,12 @@ class MemoryLeakDetector(Detector):
             assert ranks is not None
             evidence.update(n_ranks=int(ranks.size), ranks=[int(x) for x in ranks[:MAX_LISTED]], worst_rank=r)
             who = f"{ranks.size} of {ctx.world_size} ranks"
+            if key.startswith(ROLE_PREFIX):
+                evidence["local_rank"] = int(key.removeprefix(ROLE_PREFIX))
+                who = (
+                    f"local rank {evidence['local_rank']} of {ranks.size} nodes (ranks "
+                    f"{', '.join(str(int(x)) for x in ranks[:MAX_LISTED])})"
+                )
         summary = (
             f"{who}: {what} memory growing {slope:.2f} MB/step for {window_steps} steps "
             f"(+{growth_mb:,.0f} MB), not slowing; {oom}"
