@@ -45,10 +45,15 @@ Steps inside a marked pause (`ctx.paused`, or a phase_start/phase_end event in t
 `skip_after_pause_steps` after it are not judged (the pause sits in the next step's data time), nor
 are the first `warmup_steps` of a run (compilation, autotuning).
 
+Over the first `learn_steps` judged steps each rank's own offsets are learnt from the window's median
+ratio (data up to `max_normal_data_ratio`, forward up to `min_ratio`): a GPU 5% slower from the first
+step is its normal, not a straggler at step 40.
+
 Known limit: a 10% data-loader straggler among ranks whose data time varies 10% per step is near
 what any test can see in 50 steps without false alarms (a sequential test needs ~35-40 steps on
 average); it is found in 21-75 steps (median 42) depending on the noise draw. A rank that is slow in
-data from the very first steps by less than ~15% may be learnt as its normal.
+data from the very first steps by less than ~15%, or in forward by less than ~10%, may be learnt as
+its normal.
 """
 
 from __future__ import annotations
@@ -91,7 +96,7 @@ class SlownessSettings(DetectorSettings):
     node_fraction: float = 0.75  # share of a node's ranks slow together that makes it a slow node
     warmup_steps: int = 10  # first steps of a run: compilation and autotuning, not judged
     skip_after_pause_steps: int = 5  # steps after a marked pause (eval, checkpoint) not judged
-    learn_steps: int = 100  # first judged steps: each rank's own data offset is learnt, not judged
+    learn_steps: int = 100  # first judged steps: each rank's own data and forward offsets are learnt
     max_normal_data_ratio: float = 2.0  # ... up to this (local rank 0 decoding or logging for its node)
     min_spread_ranks: int = 4  # fewer ranks: their spread is the straggler itself, chance is the unit
 
@@ -329,6 +334,13 @@ class RankSlowness:
             hot[0] &= too_slow
             learn0 = np.isfinite(mean[0]) & np.isfinite(own) & ~too_slow
             self.base[0, learn0] = own[learn0]
+            # A GPU's own compute speed likewise, up to the forward cap (min_ratio): one 5% slower than
+            # its peers from the first step is its normal, learnt before it is judged against it, so its
+            # first window is not a straggler; one slower than that by min_ratio still is.
+            fwd = PHASES.index("forward")
+            own_fwd = self._median_log(fwd)
+            ok = np.isfinite(own_fwd)
+            self.base[fwd, ok] = np.clip(own_fwd[ok], -self._cap[fwd, 0], self._cap[fwd, 0])
         # Forward holds a wait (DDP's buffer broadcast, FSDP's all-gathers) when a rank slow in data
         # is FASTER than its peers in forward: it is the one they wait for there, so their long
         # forwards are theirs to wait, not to blame.
@@ -339,7 +351,7 @@ class RankSlowness:
             warm[1] &= mean[0] >= lo
         learn = np.isfinite(mean) & ~warm & ~self.slow[None, :]  # never learn a slowdown as normal
         if learning:
-            learn[0] = False
+            learn[:] = False  # set directly above
         self.base[learn] += (mean[learn] - self.base[learn]) / s.baseline_steps
         self.slow_now = hot.any(axis=0)
         still = warm.any(axis=0)
