@@ -40,7 +40,7 @@ import numpy as np
 
 from stepwatch_server.detect.base import Detector, DetectorSettings
 from stepwatch_server.detect.context import RunContext
-from stepwatch_server.detect.detectors.loss_spike import RobustWindow, global_loss
+from stepwatch_server.detect.detectors.loss_spike import REWIND_KEEP, RobustWindow, global_loss
 from stepwatch_server.detect.frames import StepFrame
 
 KIND = "divergence"
@@ -70,9 +70,9 @@ class DivergenceDetector(Detector):
     def __init__(self, ctx: RunContext, settings: DetectorSettings) -> None:
         super().__init__(ctx, settings)
         self.s: DivergenceSettings = settings  # type: ignore[assignment]
-        self.base = RobustWindow(self.s.window_frames)
+        self.base = RobustWindow(self.s.window_frames, keep=REWIND_KEEP)
         self.trend = RobustWindow(self.s.trend_frames)  # every finite global loss, in order
-        self.trend_steps = np.full(self.s.trend_frames, -1, dtype=np.int64)
+        self._last_step = -1
         self.seen = 0
         self.up: dict[str, Any] | None = None  # the current rise: start step/ts, frames, baseline
         self._back = 0  # consecutive steps back near the baseline
@@ -83,19 +83,32 @@ class DivergenceDetector(Detector):
         self._trending: tuple[float, list[float]] | None = None  # the last trend check's finding
 
     def on_frame(self, frame: StepFrame) -> None:
+        if frame.step <= self._last_step:  # resumed from an earlier checkpoint: these steps run again
+            self._rewind(frame.step)
+        self._last_step = frame.step
         self._nonfinite(frame)
         gl = global_loss(frame)
         if np.isfinite(gl):
             self.seen += 1
             self._rise(frame, gl)
             if gl > 0:  # the trend is judged on log loss (a loss <= 0 has no trend to judge here)
-                self.trend_steps[self.trend.n % self.trend_steps.size] = frame.step
-                self.trend.push(float(np.log(gl)))
+                self.trend.push(float(np.log(gl)), frame.step)
                 if self.trend.n % self.s.trend_check_every == 0:
                     self._trending = self._trend()
         elif self.up is not None:
             self.up["frames"] += 1  # no loss at all while up: still not back
         self._judge(frame, gl)
+
+    def _rewind(self, step: int) -> None:
+        """The windows as they were before `step` (the losses of the steps that run again are the old
+        session's): a rise seen on those steps is moot, and an open divergence resolves once the resumed
+        loss is back near its baseline (the roll-back the summary asked for)."""
+        self.base.rewind(step - 1)
+        self.trend.rewind(step - 1)
+        self.seen = self.base.n
+        self.up = None
+        self._trending = None
+        self.nf_run = 0
 
     # -- signals -----------------------------------------------------------------------------------
     def _nonfinite(self, frame: StepFrame) -> None:
@@ -117,7 +130,7 @@ class DivergenceDetector(Detector):
 
     def _rise(self, frame: StepFrame, gl: float) -> None:
         if self.seen <= self.s.warmup_frames or self.base.n < self.s.window_frames // 2:
-            self.base.push(gl)
+            self.base.push(gl, frame.step)
             return
         if self.up is None:
             med, sd = self.base.median_sd()
@@ -132,7 +145,7 @@ class DivergenceDetector(Detector):
                 }
                 self._back = 0
             else:
-                self.base.push(gl)
+                self.base.push(gl, frame.step)
             return
         med, sd = self.up["median"], self.up["sd"]  # frozen at the onset
         self.up["frames"] += 1
@@ -142,7 +155,7 @@ class DivergenceDetector(Detector):
         self._back = self._back + 1 if near else 0
         if self._back >= self.s.recover_frames:
             self.up = None
-            self.base.push(gl)
+            self.base.push(gl, frame.step)
 
     def _trend(self) -> tuple[float, list[float]] | None:
         """(rise of the last quarter's median over the first's, the quarter medians) when rising."""
@@ -185,7 +198,7 @@ class DivergenceDetector(Detector):
         trend = self._trending
         if trend is not None:
             modes.append("trend")
-            start = int(self.trend_steps[self.trend.n % self.trend_steps.size])
+            start = int(self.trend.steps[self.trend.n % self.trend.steps.size])
             first.append((start, frame.ts))
             ev.update(trend_rise=round(trend[0], 4), quarter_medians=trend[1])
             parts.append(

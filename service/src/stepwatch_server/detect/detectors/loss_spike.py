@@ -50,6 +50,7 @@ from stepwatch_server.detect.context import RunContext
 from stepwatch_server.detect.frames import StepFrame
 
 KIND = "loss_spike"
+REWIND_KEEP = 1024  # losses kept beyond the window, for a run resumed up to this many steps back
 KEY = "run"
 MAD_TO_SD = 1.4826  # MAD of a normal distribution x this = its standard deviation
 MAD_FLOOR_REL = 1e-3  # a (near) constant loss still has this much relative spread
@@ -81,26 +82,46 @@ def global_grad_norm(frame: StepFrame, num_shards: int = 1) -> float:
 
 
 class RobustWindow:
-    """A ring of the last `size` values with their median and robust spread (bounded state)."""
+    """A ring of the last `size` values with their median and robust spread (bounded state). With
+    `keep` > 0 it also holds the `keep` values before those, with their steps, so that a run resumed
+    from an earlier checkpoint can `rewind` to the window it had at that step."""
 
-    def __init__(self, size: int) -> None:
-        self.buf = np.full(size, np.nan)
+    def __init__(self, size: int, keep: int = 0) -> None:
+        self.size = size
+        self.buf = np.full(size + keep, np.nan)
+        self.steps = np.full(size + keep, -1, dtype=np.int64)
         self.n = 0  # values pushed in total
 
-    def push(self, value: float) -> None:
-        self.buf[self.n % self.buf.size] = value
+    def push(self, value: float, step: int = -1) -> None:
+        i = self.n % self.buf.size
+        self.buf[i] = value
+        self.steps[i] = step
         self.n += 1
 
     def clear(self) -> None:
         self.buf[:] = np.nan
         self.n = 0
 
+    def rewind(self, step: int) -> None:
+        """Keep only the values of steps up to `step`, in order (the steps after it run again)."""
+        m = min(self.n, self.buf.size)
+        idx = (self.n - m + np.arange(m)) % self.buf.size
+        idx = idx[self.steps[idx] <= step]
+        values, steps = self.buf[idx].copy(), self.steps[idx].copy()
+        self.clear()
+        self.buf[: values.size], self.steps[: values.size] = values, steps
+        self.n = int(values.size)
+
     @property
     def full(self) -> bool:
-        return self.n >= self.buf.size
+        return self.n >= self.size
 
     def values(self) -> np.ndarray:
-        return self.buf[: min(self.n, self.buf.size)]
+        """The last `size` values (oldest first once the ring holds more than them)."""
+        cap = self.buf.size
+        if self.n <= self.size or cap == self.size:
+            return self.buf[: min(self.n, self.size)]
+        return self.buf[(self.n - self.size + np.arange(self.size)) % cap]
 
     def median(self) -> float:
         v = self.values()
@@ -116,6 +137,8 @@ class RobustWindow:
     def ordered(self) -> np.ndarray:
         """The values, oldest first."""
         v = self.values()
+        if self.buf.size != self.size:
+            return v  # already in order
         return np.roll(v, -(self.n % v.size)) if self.full else v
 
     def trend_next(self) -> tuple[float, float]:
@@ -172,9 +195,10 @@ class LossSpikeDetector(Detector):
     def __init__(self, ctx: RunContext, settings: DetectorSettings) -> None:
         super().__init__(ctx, settings)
         self.s: LossSpikeSettings = settings  # type: ignore[assignment]
-        self.base = RobustWindow(self.s.window_frames)
-        self.grads = RobustWindow(self.s.window_frames)
+        self.base = RobustWindow(self.s.window_frames, keep=REWIND_KEEP)
+        self.grads = RobustWindow(self.s.window_frames, keep=REWIND_KEEP)
         self.recent = RobustWindow(self.s.sudden_frames)  # raw global losses, spikes included
+        self._last_step = -1
         self.recent_grads = np.full(self.s.grad_lookback_frames, np.nan)
         self.recent_grad_steps = np.full(self.s.grad_lookback_frames, -1, dtype=np.int64)
         self.seen = 0  # frames with a finite global loss
@@ -189,6 +213,9 @@ class LossSpikeDetector(Detector):
         )  # the baseline (prediction, sd) an open spike is judged by
 
     def on_frame(self, frame: StepFrame) -> None:
+        if frame.step <= self._last_step:  # resumed from an earlier checkpoint: these steps run again
+            self._rewind(frame)
+        self._last_step = frame.step
         gn = global_grad_norm(frame, int(self.ctx.num_shards.max()))
         i = self.seen % self.recent_grads.size
         self.recent_grads[i], self.recent_grad_steps[i] = gn, frame.step
@@ -201,10 +228,10 @@ class LossSpikeDetector(Detector):
             if book.is_open(KIND, KEY):
                 book.resolve(KIND, KEY, step=frame.step, ts=frame.ts,
                              note="did not recover: reported as a divergence")  # fmt: skip
-            self._learn(gl, gn)
+            self._learn(gl, gn, frame.step)
             return
         if self.seen <= self.s.warmup_frames or self.base.n < self.s.window_frames // 2:
-            self._learn(gl, gn)
+            self._learn(gl, gn, frame.step)
             return
         if book.is_open(KIND, KEY):
             med, sd = self._frozen
@@ -212,7 +239,7 @@ class LossSpikeDetector(Detector):
             return
         med, sd = self.base.trend_next()
         if not med > 0:
-            self._learn(gl, gn)
+            self._learn(gl, gn, frame.step)
             return
         ratio, z = gl / med, (gl - med) / sd
         short = self.recent.median()
@@ -230,13 +257,30 @@ class LossSpikeDetector(Detector):
                 self._open(frame, gl, med, sd, ratio, z, sudden)
                 self.recent.push(gl)
                 return
-        self._learn(gl, gn)
+        self._learn(gl, gn, frame.step)
 
-    def _learn(self, gl: float, gn: float) -> None:
-        self.base.push(gl)
+    def _rewind(self, frame: StepFrame) -> None:
+        """The baseline as it was before `frame.step` (the losses of the steps that run again are the
+        old session's); a spike open on those steps is moot."""
+        for window in (self.base, self.grads):
+            window.rewind(frame.step - 1)
+        self.recent.clear()
+        self.recent_grads[:] = np.nan
+        self.seen = self.base.n
+        if self.ctx.book.is_open(KIND, KEY):
+            self.ctx.book.resolve(
+                KIND,
+                KEY,
+                step=frame.step,
+                ts=frame.ts,
+                note=f"the run resumed from before it (step {frame.step})",
+            )
+
+    def _learn(self, gl: float, gn: float, step: int = -1) -> None:
+        self.base.push(gl, step)
         self.recent.push(gl)
         if np.isfinite(gn):
-            self.grads.push(gn)
+            self.grads.push(gn, step)
 
     # -- an open spike -----------------------------------------------------------------------------
     def _open(
@@ -272,14 +316,14 @@ class LossSpikeDetector(Detector):
                 KIND, KEY, step=frame.step, ts=frame.ts,
                 note=f"recovered: loss {gl:.4g} is {ratio:.2f}x the baseline median {med:.4g}",
             )  # fmt: skip
-            self._learn(gl, gn)
+            self._learn(gl, gn, frame.step)
         elif self._open_frames >= self.s.max_open_frames:
             self.ctx.book.resolve(
                 KIND, KEY, step=frame.step, ts=frame.ts,
                 note=f"loss settled at {ratio:.2f}x the old baseline; baseline relearned",
             )  # fmt: skip
             self.base.clear()
-            self._learn(gl, gn)
+            self._learn(gl, gn, frame.step)
         elif not near:  # still up: extend it (recovering steps do not)
             self._raise(frame)
 
