@@ -23,7 +23,9 @@ when all of these hold:
     ranks' actual spread (1.4826 x MAD), and at least `min_scale`: noisy phases (data loading) and
     noisy runs raise the bar by themselves;
   - (exp(m) - 1) x the phase's share of the step >= `min_excess_frac`: the time the run loses to the
-    rank is not negligible, so a tiny phase's noise (a 0.1 ms data wait doubling) cannot trigger it.
+    rank is not negligible, so a tiny phase's noise (a 0.1 ms data wait doubling) cannot trigger it;
+    where this bar alone holds a rank back, the cost comes from the window's median unclipped ratio
+    (the clip bounds how slow a rank looks, not how much time a 1,000x slower loader costs);
 A rank is slow when it has been slow-now for `confirm_steps` judged steps in a row spanning at least
 `min_duration_s` of event time (with 10-30 ms CPU steps, four steps are a scheduler hiccup); it stops
 being slow after `clear_steps` judged steps in a row below half of each bar (hysteresis).
@@ -316,6 +318,20 @@ class RankSlowness:
         share = np.nan_to_num(self.share, nan=1.0)[:, None]  # unknown step time: no floor
         excess = np.expm1(mean) * share  # time lost, as a fraction of the step
         with np.errstate(invalid="ignore"):
+            # The clipped mean says "slower", not how much: a loader 1,000x slower in a phase of 0.02%
+            # of the step (0.5 ms of a 2.4 s step) costs the run 20%, not 0.25 x 0.02%. Where that is
+            # all that holds a rank back, the time lost comes from the window's median unclipped ratio.
+            short = (
+                (mean >= lo / 2)
+                & (change >= lo / 2)
+                & (self.z >= s.min_z / 2)
+                & ~(excess >= s.min_excess_frac)
+            )
+            for p in np.flatnonzero(short.any(axis=1)).tolist():
+                ranks = np.flatnonzero(short[p])
+                excess[p, ranks] = np.maximum(
+                    excess[p, ranks], np.expm1(self._median_log(p, ranks)) * share[p, 0]
+                )
             hot = (mean >= lo) & (change >= lo) & (self.z >= s.min_z) & (excess >= s.min_excess_frac)
             warm = (
                 (mean >= lo / 2)
