@@ -47,9 +47,11 @@ Steps inside a marked pause (`ctx.paused`, or a phase_start/phase_end event in t
 `skip_after_pause_steps` after it are not judged (the pause sits in the next step's data time), nor
 are the first `warmup_steps` of a run (compilation, autotuning).
 
-Over the first `learn_steps` judged steps each rank's own offsets are learnt from the window's median
-ratio (data up to `max_normal_data_ratio`, forward up to `min_ratio`): a GPU 5% slower from the first
-step is its normal, not a straggler at step 40.
+Over the first `learn_steps` judged steps each rank's own offsets are learnt as the mean of the
+window's median ratio over those steps (data up to `max_normal_data_ratio`, forward up to `min_ratio`):
+a GPU 5% slower from the first step is its normal, not a straggler at step 40; and the mean over the
+learning steps, not the last window's median alone, keeps a lucky window from becoming a normal that
+the rank's usual pace then exceeds.
 
 Known limit: a 10% data-loader straggler among ranks whose data time varies 10% per step is near
 what any test can see in 50 steps without false alarms (a sequential test needs ~35-40 steps on
@@ -174,6 +176,10 @@ class RankSlowness:
         self.judged_steps = 0
         self.mean = np.zeros((P, R))  # window mean of the clipped log ratio
         self.base = np.zeros((P, R))  # the rank's own normal log ratio (slow EWMA of `mean`)
+        # While it is learnt (the first learn_steps judged steps): the sum and count of the window's median
+        # log ratio at each of those steps, whose mean is the base.
+        self._learn_sum = np.zeros((P, R))
+        self._learn_n = np.zeros((P, R))
         # How far a rank's own normal may sit from its peers', per phase: GPUs differ by a few percent,
         # data work by design (see learn_steps).
         self._cap = np.array([math.log(s.max_normal_data_ratio), math.log(s.min_ratio)])[:, None]
@@ -345,18 +351,24 @@ class RankSlowness:
             # often decodes or logs for its node), unless it is slower than any normal can be.
             # The window's median of the unclipped ratio is the offset (the clipped mean would be bounded
             # by the clip around a normal not yet learnt).
+            # The offset is the mean of the window's median over every learning step, not the last
+            # window's alone: one 40-step median of a 15%-noisy data wait is off by ~3%, so among 128
+            # ranks one is off by ~10%, and a rank that learnt 0.90x as its normal reads as a 1.1x
+            # straggler at its usual pace for hundreds of steps (final4-007, rank 103).
             own = self._median_log(0)
             too_slow = own > math.log(s.max_normal_data_ratio)
             hot[0] &= too_slow
             learn0 = np.isfinite(mean[0]) & np.isfinite(own) & ~too_slow
-            self.base[0, learn0] = own[learn0]
+            self.base[0, learn0] = self._learnt(0, learn0, own)
             # A GPU's own compute speed likewise, up to the forward cap (min_ratio): one 5% slower than
             # its peers from the first step is its normal, learnt before it is judged against it, so its
             # first window is not a straggler; one slower than that by min_ratio still is.
             fwd = PHASES.index("forward")
             own_fwd = self._median_log(fwd)
             ok = np.isfinite(own_fwd)
-            self.base[fwd, ok] = np.clip(own_fwd[ok], -self._cap[fwd, 0], self._cap[fwd, 0])
+            self.base[fwd, ok] = np.clip(
+                self._learnt(fwd, ok, own_fwd), -self._cap[fwd, 0], self._cap[fwd, 0]
+            )
         # Forward holds a wait (DDP's buffer broadcast, FSDP's all-gathers) when a rank slow in data
         # is FASTER than its peers in forward: it is the one they wait for there, so their long
         # forwards are theirs to wait, not to blame.
@@ -391,6 +403,13 @@ class RankSlowness:
         self.slow_since[start] = self._run_step[start]  # the step its window first crossed the bar
         self.slow_since_ts[start] = self._run_ts[start]
         self.slow = (self.slow | start) & ~stop
+
+    def _learnt(self, phase: int, ranks: np.ndarray, own: np.ndarray) -> np.ndarray:
+        """Add this step's window medians `own` of the `ranks` (a mask) to what is being learnt; return
+        their mean over the learning steps so far."""
+        self._learn_sum[phase, ranks] += own[ranks]
+        self._learn_n[phase, ranks] += 1
+        return np.asarray(self._learn_sum[phase, ranks] / self._learn_n[phase, ranks])
 
     def _median_log(self, phase: int, ranks: np.ndarray | None = None) -> np.ndarray:
         """Median over the window of each rank's unclipped log ratio in `phase` (NaN: no values)."""
