@@ -278,3 +278,25 @@ def test_allocator_steps_stacked_on_a_sawtooth_climb_are_not_a_leak_and_a_leak_b
     _, anomalies = _run(alloc, step_ms=1280.0)
     assert anomalies and {a.rank for a in anomalies} == {0}, [a.summary for a in anomalies]
     assert anomalies[0].detected_step < 1300
+
+
+def test_overlapping_plateauing_drifts_on_every_rank_are_not_a_leak() -> None:
+    """final3-039: every rank drifts three times, each drift levelling off as the next starts (+110 MB at
+    0.9 MB/step from step 465, +550 MB at 0.05 MB/step from 545, +530 MB at 1.4 MB/step from 815; each
+    rank's sizes and paces drawn 15% apart), on 71 GB of an 80 GB device. Over 1,270 steps the sum rises
+    slowly, then fast, then slowly: its first and last parts alike (~0.3 MB/step), the middle ~0.7. Each
+    rank read as a leak one after another (9 anomalies here). The pace long past its peak is a drift
+    levelling off. A steady 1 MB/step leak on one rank on top of it is still found."""
+    t = np.arange(1, 2552, dtype=np.float64)
+    rng = np.random.default_rng(3)
+    alloc = _base(2551, 16, level_mb=71_000.0)
+    for start, pace, total in ((815, 1.401, 528.6), (545, 0.053, 550.7), (465, 0.889, 109.8)):
+        size = total * np.exp(rng.normal(0.0, 0.15, 16))
+        tau = size / (pace * np.exp(rng.normal(0.0, 0.15, 16)))
+        alloc += size * -np.expm1(-np.maximum(t[:, None] - start, 0.0) / tau)
+    _, anomalies = _run(alloc, step_ms=489.0)
+    assert anomalies == [], [a.summary for a in anomalies]
+
+    alloc[:, 6] += 1.0 * np.clip(t - 1200, 0.0, None)
+    _, anomalies = _run(alloc, step_ms=489.0)
+    assert [a.key for a in anomalies] == ["rank:6"], [a.summary for a in anomalies]

@@ -25,8 +25,8 @@ one needs the long one). The growth per step between consecutive block means is 
   `step_up_z` noise SDs above the window's median growth cut down to that bound) is at least
   `min_growth_mb`, more in a window shorter than `growth_ref_steps`: steps stacked on a sawtooth's
   climb lift its troughs, but its drops cancel its climb;
-- **not slowing**: the last part grows at least `keep_ratio` as fast as the first (a drift that levels
-  off fails), and the window's net rise is at least `net_fraction` of slope x span (a sawtooth that
+- **not slowing**: the last part grows at least `keep_ratio` as fast as the fastest (a drift that
+  levels off fails, and so do overlapping drifts: slow, fast, slow again), and the window's net rise is at least `net_fraction` of slope x span (a sawtooth that
   dropped back fails); the floor rises too: the lowest block of the last part is above the lowest of
   the first by `net_fraction` of the net rise (a sawtooth's troughs stay at its base whatever its phase
   at the window's ends, and a drift or allocator step under it is judged on its own size);
@@ -89,7 +89,7 @@ class MemoryLeakSettings(DetectorSettings):
     sub_windows: int = 4  # consecutive parts that must all grow
     min_mb_per_step: float = 0.1  # smallest growth per step a part may show
     part_z: float = 3.0  # each part's median growth >= this many standard errors
-    keep_ratio: float = 0.5  # the last part grows at least this share as fast as the first
+    keep_ratio: float = 0.5  # the last part grows at least this share as fast as the fastest
     net_fraction: float = 0.5  # the window's net rise >= this share of slope x span
     horizon_s: float = 12 * 3600.0  # out-of-memory projected within this: a leak
     min_growth_mb: float = 512.0  # a window's own rise must be this much: drifts and steps stay below
@@ -252,7 +252,11 @@ class MemoryLeakDetector(Detector):
             sustained &= np.all(typical >= s.keep_ratio * slope, axis=0)
             # Steady: no part rises 4x faster than another (an allocator step-up inside one part does).
             sustained &= parts.min(axis=0) >= (s.keep_ratio / 2) * parts.max(axis=0)
-            kept = (last >= s.keep_ratio * first) & (means[-1] - high >= s.net_fraction * net)
+            # Not slowing: the last part keeps pace with the window's fastest, not only with its first.
+            # Drifts that overlap (each levelling off, the next starting) rise slowly, then fast, then
+            # slowly again: first and last parts alike, the pace long past its peak (final3-039).
+            fastest = parts.max(axis=0)
+            kept = (last >= s.keep_ratio * fastest) & (means[-1] - high >= s.net_fraction * net)
             # ... and above its own earlier peaks inside the window by half what its last part adds.
             head = int(ends[-2])
             kept &= means[-1] - means[: head + 1].max(axis=0) >= s.net_fraction * (means[-1] - means[head])
@@ -297,7 +301,7 @@ class MemoryLeakDetector(Detector):
             # Or it already grew by a share of what the rank holds, still at its pace: a leak whatever
             # the capacity (a rank far from full that keeps growing is still a bug).
             threat |= continuous >= s.grown_share * np.maximum(means[0], 0.0)
-            half = np.all(parts >= bar / 2, axis=0) & (last >= s.keep_ratio / 2 * first)
+            half = np.all(parts >= bar / 2, axis=0) & (last >= s.keep_ratio / 2 * fastest)
             half &= np.all(typical >= s.min_mb_per_step / 2, axis=0)
         return _Window(
             leaking=full & sustained & kept & threat,
