@@ -53,9 +53,14 @@ H100_MB = 81_559.0
 
 
 def _run(
-    alloc: np.ndarray, capacity_mb: float | None = H100_MB, step_ms: float = 500.0, ranks_per_node: int = 0
+    alloc: np.ndarray,
+    capacity_mb: float | None = H100_MB,
+    step_ms: float = 500.0,
+    ranks_per_node: int = 0,
+    steps: np.ndarray | None = None,
 ) -> tuple[RunContext, list[Anomaly]]:
-    """Feed (steps, ranks) allocated MB to a fresh detector; every anomaly raised, as last seen."""
+    """Feed (steps, ranks) allocated MB to a fresh detector; every anomaly raised, as last seen. Row i is
+    step i + 1, or `steps[i]` (a resumed run goes back), at event time i x step_ms."""
     ctx = RunContext("r", alloc.shape[1])
     if ranks_per_node:
         ctx.node[:] = [f"gpu-{r // ranks_per_node:03d}" for r in range(alloc.shape[1])]
@@ -66,8 +71,9 @@ def _run(
         if capacity_mb is not None:
             metrics["mem.capacity_mb"] = np.full(row.shape, capacity_mb)
         ctx.record_step_time(step_ms)
+        step = i + 1 if steps is None else int(steps[i])
         det.on_frame(
-            StepFrame("r", i + 1, 1e9 + i * step_ms / 1000, np.ones(row.shape[0], dtype=bool), metrics)
+            StepFrame("r", step, 1e9 + i * step_ms / 1000, np.ones(row.shape[0], dtype=bool), metrics)
         )
         for a in ctx.book.drain_changes():
             seen.setdefault(a.local_id, a)
@@ -300,3 +306,29 @@ def test_overlapping_plateauing_drifts_on_every_rank_are_not_a_leak() -> None:
     alloc[:, 6] += 1.0 * np.clip(t - 1200, 0.0, None)
     _, anomalies = _run(alloc, step_ms=489.0)
     assert [a.key for a in anomalies] == ["rank:6"], [a.summary for a in anomalies]
+
+
+def test_a_sawtooth_that_starts_again_after_a_resume_is_not_a_leak() -> None:
+    """final4-023: rank 0 collects 1.6 GB over 467 steps and lets it go, again and again. The job is
+    killed after step 2200 and resumed from the checkpoint at step 1000: the new processes allocate
+    everything again and the sawtooth starts over, and the history of block means starts again with
+    the new session. Its first tooth after the resume read as a leak (it had no earlier peak to climb
+    back to). What the rank was seen to let go before is kept across the resume. The first tooth of
+    the run, before any drop, still reads as one (the known limit). A 3 MB/step leak that starts after
+    the resume on rank 2 is still found."""
+    first = np.arange(1, 2201)
+    second = np.arange(1001, 3201)
+    steps = np.concatenate([first, second])
+    in_session = np.concatenate([first, second - 1000]).astype(np.float64)
+    alloc = _base(steps.size, 4, level_mb=60_000.0)
+    alloc *= (0.7 + 0.3 * np.minimum(1.0, in_session / 40.0))[:, None]  # a new process ramps up again
+    alloc[:, 0] += 1616.0 * ((in_session - 1) % 467) / 467
+    _, anomalies = _run(alloc, step_ms=595.0, steps=steps)
+    assert [(a.key, a.first_step < 467) for a in anomalies] == [("rank:0", True)], [
+        (a.summary, a.detected_step) for a in anomalies
+    ]
+
+    after = np.concatenate([np.zeros(first.size), np.clip(second - 1300.0, 0.0, None)])
+    alloc[:, 2] += 3.0 * after
+    _, anomalies = _run(alloc, step_ms=595.0, steps=steps)
+    assert [a.key for a in anomalies] == ["rank:0", "rank:2"], [a.summary for a in anomalies]

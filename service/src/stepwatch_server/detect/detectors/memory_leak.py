@@ -49,7 +49,9 @@ is part of it whatever the count of ranks leaking at that moment. The same local
 `role_min_nodes` nodes or more at one pace (within `role_pace_ratio`) is one anomaly (key
 `local_rank:K`): one code path on every node's local rank 0, not one problem per node.
 
-A run resumed from a checkpoint (steps go back) starts the history again.
+A run resumed from a checkpoint (steps go back) starts the history again; what the rank was seen to
+let go before (the largest fall from a high, above its floor) is kept, so a sawtooth that starts over
+with the new processes climbs back to a known peak, not to a new high.
 
 Evidence: `metric`, `mb_per_step` (the latest part's growth), `part_mb_per_step`, `window_steps`,
 `growth_mb` (over the window), `current_mb`, `capacity_mb`, `free_mb`, `steps_to_oom`,
@@ -152,6 +154,12 @@ class MemoryLeakDetector(Detector):
         self._first_step: int | None = None  # of the run, or of the restart
         self._peak = np.full(w, np.nan)
         self._capacity = np.full(w, np.nan)
+        # What a rank was seen to hold and let go: its session's highest and lowest block means, and the
+        # most its memory fell from a high (kept across a resume, when the history starts again: the same
+        # code, after a restart, climbs back to the same transient peaks above its floor).
+        self._top = np.full(w, -np.inf)
+        self._floor = np.full(w, np.inf)
+        self._drop = np.zeros(w)
 
     def on_frame(self, frame: StepFrame) -> None:
         if self._metric is None:
@@ -188,15 +196,21 @@ class MemoryLeakDetector(Detector):
         self._n[:] = 0.0
         self._filled[:] = 0
         self._means[:] = np.nan
+        self._top[:] = -np.inf
+        self._floor[:] = np.inf
 
     def _close_block(self, frame: StepFrame) -> None:
         assert self._block is not None
         has = np.flatnonzero(self._n > 0)
         if has.size:
             rows = self._filled[has] % self._h
-            self._means[rows, has] = self._sum[has] / self._n[has]
+            m = self._sum[has] / self._n[has]
+            self._means[rows, has] = m
             self._pos[rows, has] = self._step_sum[has] / self._n[has]
             self._filled[has] += 1
+            self._drop[has] = np.maximum(self._drop[has], self._top[has] - m)
+            self._top[has] = np.maximum(self._top[has], m)
+            self._floor[has] = np.minimum(self._floor[has], m)
         self._sum[:] = 0.0
         self._step_sum[:] = 0.0
         self._n[:] = 0.0
@@ -247,6 +261,9 @@ class MemoryLeakDetector(Detector):
             oidx = (self._filled[None, :] - h + k) % h
             have = k >= h - self._filled[None, :]
             high = np.where(have, np.take_along_axis(self._means, oidx, axis=0), -np.inf).max(axis=0)
+        # ... and above the transient peak the rank is known for: its floor plus the most it was ever seen
+        # to let go (a sawtooth's tooth, also after a resume started the history again).
+        high = np.maximum(high, np.where(np.isfinite(self._floor), self._floor + self._drop, -np.inf))
         with np.errstate(all="ignore"):
             sustained = np.all(parts >= bar, axis=0) & np.all(typical >= s.min_mb_per_step, axis=0)
             sustained &= np.all(typical >= s.keep_ratio * slope, axis=0)
