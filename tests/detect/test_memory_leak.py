@@ -332,3 +332,21 @@ def test_a_sawtooth_that_starts_again_after_a_resume_is_not_a_leak() -> None:
     alloc[:, 2] += 3.0 * after
     _, anomalies = _run(alloc, step_ms=595.0, steps=steps)
     assert [a.key for a in anomalies] == ["rank:0", "rank:2"], [a.summary for a in anomalies]
+
+
+def test_an_evaluation_step_inside_a_leaks_window_does_not_delay_it() -> None:
+    """final4-026: a 1.5 MB/step leak on a rank whose memory also steps up 490 MB at an evaluation inside
+    the leak's windows. The step is not the leak's pace, so the part that holds it is not the pace the
+    last part must keep up with: the leak is found within a few blocks of when it is without the step
+    (490 steps later when the step counted)."""
+    t = np.arange(1, 4001, dtype=np.float64)
+    alloc = _base(4000, 4, level_mb=70_000.0)
+    alloc[:, 1] += 1.5 * np.clip(t - 1000, 0.0, None)
+    _, plain = _run(alloc, step_ms=4312.0)
+    alloc[:, 1] += 490.0 * np.clip((t - 1400) / 5, 0.0, 1.0)
+    _, stepped = _run(alloc, step_ms=4312.0)
+    assert [a.key for a in plain] == [a.key for a in stepped] == ["rank:1"]
+    assert stepped[0].detected_step <= plain[0].detected_step + 100, (
+        plain[0].detected_step,
+        stepped[0].detected_step,
+    )

@@ -25,8 +25,9 @@ one needs the long one). The growth per step between consecutive block means is 
   `step_up_z` noise SDs above the window's median growth cut down to that bound) is at least
   `min_growth_mb`, more in a window shorter than `growth_ref_steps`: steps stacked on a sawtooth's
   climb lift its troughs, but its drops cancel its climb;
-- **not slowing**: the last part grows at least `keep_ratio` as fast as the fastest (a drift that
-  levels off fails, and so do overlapping drifts: slow, fast, slow again), and the window's net rise is at least `net_fraction` of slope x span (a sawtooth that
+- **not slowing**: the last part grows at least `keep_ratio` as fast as the first, and its continuous
+  pace (step-ups cut down) at least `keep_ratio` of the fastest part's (a drift that levels off fails,
+  and so do overlapping drifts: slow, fast, slow again), and the window's net rise is at least `net_fraction` of slope x span (a sawtooth that
   dropped back fails); the floor rises too: the lowest block of the last part is above the lowest of
   the first by `net_fraction` of the net rise (a sawtooth's troughs stay at its base whatever its phase
   at the window's ends, and a drift or allocator step under it is judged on its own size);
@@ -91,7 +92,7 @@ class MemoryLeakSettings(DetectorSettings):
     sub_windows: int = 4  # consecutive parts that must all grow
     min_mb_per_step: float = 0.1  # smallest growth per step a part may show
     part_z: float = 3.0  # each part's median growth >= this many standard errors
-    keep_ratio: float = 0.5  # the last part grows at least this share as fast as the fastest
+    keep_ratio: float = 0.5  # the last part grows at least this share as fast as the first and the fastest
     net_fraction: float = 0.5  # the window's net rise >= this share of slope x span
     horizon_s: float = 12 * 3600.0  # out-of-memory projected within this: a leak
     min_growth_mb: float = 512.0  # a window's own rise must be this much: drifts and steps stay below
@@ -244,7 +245,10 @@ class MemoryLeakDetector(Detector):
         # an evaluation's buffers) cut down to the usual growth. A leak grows block after block; steps
         # stacked on a sawtooth's climb rise as much in net, but not continuously (its drops cancel the
         # climb), so the size bars below are judged on this.
-        continuous = np.minimum(diffs, usual + s.step_up_z * noise).sum(axis=0)
+        steady = np.minimum(diffs, usual + s.step_up_z * noise)
+        continuous = steady.sum(axis=0)
+        # ... and each part's continuous pace (part k holds the growths between block ends[k] and ends[k+1]).
+        paces = np.add.reduceat(steady, ends[:-1], axis=0) / part_steps
         bar = np.maximum(s.min_mb_per_step, s.part_z * noise / part_steps)
         # ... and each part's typical step-to-step growth (the median of its block differences): a leak
         # grows continuously; step-ups that pile up (allocator fragmentation) rise in jumps between
@@ -271,9 +275,11 @@ class MemoryLeakDetector(Detector):
             sustained &= parts.min(axis=0) >= (s.keep_ratio / 2) * parts.max(axis=0)
             # Not slowing: the last part keeps pace with the window's fastest, not only with its first.
             # Drifts that overlap (each levelling off, the next starting) rise slowly, then fast, then
-            # slowly again: first and last parts alike, the pace long past its peak (final3-039).
-            fastest = parts.max(axis=0)
-            kept = (last >= s.keep_ratio * fastest) & (means[-1] - high >= s.net_fraction * net)
+            # slowly again: first and last parts alike, the pace long past its peak (final3-039). Paces
+            # without step-ups: an allocator or evaluation step inside one part is not the leak's pace
+            # (final4-026's leak was found 310 steps later when it counted).
+            keeps_pace = paces[-1] >= s.keep_ratio * paces.max(axis=0)
+            kept = (last >= s.keep_ratio * first) & keeps_pace & (means[-1] - high >= s.net_fraction * net)
             # ... and above its own earlier peaks inside the window by half what its last part adds.
             head = int(ends[-2])
             kept &= means[-1] - means[: head + 1].max(axis=0) >= s.net_fraction * (means[-1] - means[head])
@@ -318,7 +324,8 @@ class MemoryLeakDetector(Detector):
             # Or it already grew by a share of what the rank holds, still at its pace: a leak whatever
             # the capacity (a rank far from full that keeps growing is still a bug).
             threat |= continuous >= s.grown_share * np.maximum(means[0], 0.0)
-            half = np.all(parts >= bar / 2, axis=0) & (last >= s.keep_ratio / 2 * fastest)
+            half = np.all(parts >= bar / 2, axis=0) & (last >= s.keep_ratio / 2 * first)
+            half &= paces[-1] >= s.keep_ratio / 2 * paces.max(axis=0)
             half &= np.all(typical >= s.min_mb_per_step / 2, axis=0)
         return _Window(
             leaking=full & sustained & kept & threat,
