@@ -36,7 +36,7 @@ from tests.conftest import require_module
 from tests.simulate.helpers import check_batch
 
 
-@pytest.mark.parametrize("name", ["dev", "heldout", "final", "final2", "final3", "final4"])
+@pytest.mark.parametrize("name", ["dev", "heldout", "final", "final2", "final3", "final4", "final5"])
 def test_split_holds_every_kind_the_hard_cases_and_a_third_clean(name: str) -> None:
     scns = split(name)
     comp = composition(scns)

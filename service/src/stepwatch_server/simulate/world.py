@@ -40,7 +40,7 @@ from stepwatch_server.simulate.scenario import (
 )
 from stepwatch_server.simulate.world_faults import Placement, Variant, log_uniform
 
-SPLITS = ("dev", "heldout", "final", "final2", "final3", "final4")
+SPLITS = ("dev", "heldout", "final", "final2", "final3", "final4", "final5")
 RUNS_PER_SPLIT = 40
 CLEAN_RUNS = 13
 # World sizes of a split's runs: a quarter <= 4 ranks, one of 512.
@@ -107,6 +107,7 @@ FINAL: tuple[RunPlan, ...] = plan("final")
 FINAL2: tuple[RunPlan, ...] = plan("final2")
 FINAL3: tuple[RunPlan, ...] = plan("final3")
 FINAL4: tuple[RunPlan, ...] = plan("final4")
+FINAL5: tuple[RunPlan, ...] = plan("final5")
 
 
 @cache
