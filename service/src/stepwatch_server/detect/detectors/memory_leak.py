@@ -45,8 +45,10 @@ window), a run-level one while any rank still grows, and resolves when it stoppe
 One anomaly per leaking rank; when at least `run_fraction` of the reporting ranks leak, or more than
 `max_rank_anomalies`, it is one run-level anomaly (key `run`, a leak in the training code itself),
 with rank-level ones only for ranks leaking `outlier_factor` x faster than the run's median leak
-(a second, different leak hides behind nothing); while it is open, a rank that crosses the bar later
-is part of it whatever the count of ranks leaking at that moment. The same local rank leaking on
+(a second, different leak hides behind nothing; a rank's pace there is its continuous growth in its
+shortest leaking window, so an allocator step-up on one of the run's leaking ranks is not a second
+leak); while it is open, a rank that crosses the bar later is part of it whatever the count of ranks
+leaking at that moment, and what was raised for its ranks before it formed resolves into it. The same local rank leaking on
 `role_min_nodes` nodes or more at one pace (within `role_pace_ratio`) is one anomaly (key
 `local_rank:K`): one code path on every node's local rank 0, not one problem per node.
 
@@ -54,7 +56,7 @@ A run resumed from a checkpoint (steps go back) starts the history again; what t
 let go before (the largest fall from a high, above its floor) is kept, so a sawtooth that starts over
 with the new processes climbs back to a known peak, not to a new high.
 
-Evidence: `metric`, `mb_per_step` (the latest part's growth), `part_mb_per_step`, `window_steps`,
+Evidence: `metric`, `mb_per_step` (the latest part's continuous growth), `part_mb_per_step`, `window_steps`,
 `growth_mb` (over the window), `current_mb`, `capacity_mb`, `free_mb`, `steps_to_oom`,
 `seconds_to_oom`, `horizon_s` (of the judging window), `projected_growth_mb` (the total still to
 come when the slope slows, else null), `slowing` (last part / first part); run level also
@@ -116,6 +118,7 @@ class _Window:
     leaking: np.ndarray
     growing: np.ndarray  # passes half the bars: still growing (keeps an open anomaly open)
     parts: np.ndarray  # (sub_windows, R) median growth per part, MB/step
+    pace: np.ndarray  # the last part's continuous growth (step-ups cut down), MB/step: the leak's pace
     span_steps: np.ndarray
     growth_mb: np.ndarray
     current_mb: np.ndarray
@@ -331,6 +334,7 @@ class MemoryLeakDetector(Detector):
             leaking=full & sustained & kept & threat,
             growing=full & half,
             parts=parts,
+            pace=paces[-1],
             span_steps=span,
             growth_mb=net,
             current_mb=current,
@@ -350,15 +354,20 @@ class MemoryLeakDetector(Detector):
         R = ctx.world_size
         leaking = np.zeros(R, dtype=bool)
         chosen = np.full(R, -1, dtype=np.int64)  # the longest window that says "leak": the most evidence
+        recent = np.full(R, -1, dtype=np.int64)  # the shortest: the pace of now
         for i, w in enumerate(windows):
             chosen[w.leaking] = i
+            recent[w.leaking & (recent < 0)] = i
             leaking |= w.leaking
         growing = np.logical_or.reduce([w.growing for w in windows]) | leaking
         reporting = int((self._filled >= min(s.windows_blocks)).sum())
         n_leak = int(leaking.sum())
         run_level = n_leak >= 2 and (n_leak >= s.run_fraction * reporting or n_leak > s.max_rank_anomalies)
         rank_level = np.flatnonzero(leaking)
-        slopes = np.array([windows[chosen[r]].parts[-1, r] for r in rank_level])
+        # Each leaking rank's pace now: the continuous growth of the last part of its shortest leaking
+        # window. Step-ups (an allocator plateau on a leaking rank) are cut down, so they do not make a
+        # rank of a run-level leak look like a second, faster one; a faster leak soon fills that window.
+        slopes = np.array([windows[recent[r]].pace[r] for r in rank_level])
         if run_level:
             self._run_median = float(np.median(slopes))
             order = np.argsort(-slopes)
@@ -371,11 +380,16 @@ class MemoryLeakDetector(Detector):
             order = np.argsort(-slopes)
             fast = [int(rank_level[i]) for i in order if slopes[i] >= s.outlier_factor * self._run_median]
             rank_level = np.array(fast[: s.max_rank_anomalies], dtype=np.int64)
-        paces = np.array([windows[chosen[r]].parts[-1, r] for r in rank_level])
+            # ... and what was raised for its ranks before the run-level one formed is too: one alarm.
+            for a in ctx.book.open_of(KIND):
+                members = [a.rank] if a.rank is not None else a.evidence.get("ranks", [])
+                if a.key != RUN_KEY and not set(members) & set(fast):
+                    ctx.book.resolve(KIND, a.key, step=frame.step, ts=frame.ts, note=f"part of {RUN_KEY}")
+        paces = np.array([windows[recent[r]].pace[r] for r in rank_level])
         for role, ranks in self._same_role(rank_level, paces, run_level).items():
             # The same local rank of several nodes leaking at one pace: one code path (local rank 0
             # logging or decoding for its node), one anomaly, not one per node.
-            worst = int(ranks[np.argmax([windows[chosen[r]].parts[-1, r] for r in ranks])])
+            worst = int(ranks[np.argmax([windows[recent[r]].pace[r] for r in ranks])])
             self._raise(role, None, frame, windows[chosen[worst]], worst, ranks=ranks)
             for r in ranks.tolist():
                 if ctx.book.is_open(KIND, f"rank:{r}"):
@@ -424,7 +438,7 @@ class MemoryLeakDetector(Detector):
         ranks: np.ndarray | None = None, run_median: float | None = None,
     ) -> None:  # fmt: skip
         ctx, s = self.ctx, self.s
-        slope = float(w.parts[-1, r]) if run_median is None else run_median
+        slope = float(w.pace[r]) if run_median is None else run_median
         cap = float(self._capacity[r])
         steps_to_oom = _int_or_none(w.steps_to_oom[r]) if np.isfinite(cap) else None
         seconds_to_oom = None
