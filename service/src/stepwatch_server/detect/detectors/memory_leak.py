@@ -26,7 +26,7 @@ one needs the long one). The growth per step between consecutive block means is 
   `min_growth_mb`, more in a window shorter than `growth_ref_steps`: steps stacked on a sawtooth's
   climb lift its troughs, but its drops cancel its climb;
 - **not slowing**: the last part grows at least `keep_ratio` as fast as the first, and its continuous
-  pace (step-ups cut down) at least `keep_ratio` of the fastest part's (a drift that levels off fails,
+  pace (step-ups cut down) at least `pace_ratio` of the fastest part's (a drift that levels off fails,
   and so do overlapping drifts: slow, fast, slow again), and the window's net rise is at least `net_fraction` of slope x span (a sawtooth that
   dropped back fails); the floor rises too: the lowest block of the last part is above the lowest of
   the first by `net_fraction` of the net rise (a sawtooth's troughs stay at its base whatever its phase
@@ -94,7 +94,8 @@ class MemoryLeakSettings(DetectorSettings):
     sub_windows: int = 4  # consecutive parts that must all grow
     min_mb_per_step: float = 0.1  # smallest growth per step a part may show
     part_z: float = 3.0  # each part's median growth >= this many standard errors
-    keep_ratio: float = 0.5  # the last part grows at least this share as fast as the first and the fastest
+    keep_ratio: float = 0.5  # the last part grows at least this share as fast as the first
+    pace_ratio: float = 0.7  # ... and at a continuous pace at least this share of the fastest part's
     net_fraction: float = 0.5  # the window's net rise >= this share of slope x span
     horizon_s: float = 12 * 3600.0  # out-of-memory projected within this: a leak
     min_growth_mb: float = 512.0  # a window's own rise must be this much: drifts and steps stay below
@@ -281,7 +282,7 @@ class MemoryLeakDetector(Detector):
             # slowly again: first and last parts alike, the pace long past its peak (final3-039). Paces
             # without step-ups: an allocator or evaluation step inside one part is not the leak's pace
             # (final4-026's leak was found 310 steps later when it counted).
-            keeps_pace = paces[-1] >= s.keep_ratio * paces.max(axis=0)
+            keeps_pace = paces[-1] >= s.pace_ratio * paces.max(axis=0)
             kept = (last >= s.keep_ratio * first) & keeps_pace & (means[-1] - high >= s.net_fraction * net)
             # ... and above its own earlier peaks inside the window by half what its last part adds.
             head = int(ends[-2])
@@ -328,7 +329,7 @@ class MemoryLeakDetector(Detector):
             # the capacity (a rank far from full that keeps growing is still a bug).
             threat |= continuous >= s.grown_share * np.maximum(means[0], 0.0)
             half = np.all(parts >= bar / 2, axis=0) & (last >= s.keep_ratio / 2 * first)
-            half &= paces[-1] >= s.keep_ratio / 2 * paces.max(axis=0)
+            half &= paces[-1] >= s.pace_ratio / 2 * paces.max(axis=0)
             half &= np.all(typical >= s.min_mb_per_step / 2, axis=0)
         return _Window(
             leaking=full & sustained & kept & threat,
