@@ -383,3 +383,17 @@ def test_every_rank_drifting_three_times_in_a_world_run_is_not_a_leak() -> None:
     sc = world.split("final3")["final3-039"]
     _, anomalies = run_scenario(sc, kinds=KINDS)
     assert anomalies == [], [a.summary for a in anomalies]
+
+
+def test_a_leak_under_a_sawtooth_is_one_anomaly_that_stays_open() -> None:
+    """dev-027: a rank collects 357 MB over 294 steps and lets it go, again and again, and leaks 2 MB/step
+    from step 737. A part of a window that holds one of the sawtooth's drops rises slower than one that
+    does not; that was read as the leak slowing down, so the anomaly resolved and was raised again 300
+    steps later. The drops, like the step-ups, are no part of the pace compared."""
+    t = np.arange(1, 1914, dtype=np.float64)
+    alloc = _base(1913, 8, level_mb=37_000.0)
+    alloc[:, 4] += 357.0 * ((t - 34) % 294) / 294 * (t >= 34) + 2.0 * np.clip(t - 737, 0.0, None)
+    _, anomalies = _run(alloc, capacity_mb=None, step_ms=216.0)
+    assert [(a.key, a.status) for a in anomalies] == [("rank:4", "open")], [
+        (a.summary, a.status, a.detected_step) for a in anomalies
+    ]

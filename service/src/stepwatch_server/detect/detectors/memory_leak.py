@@ -25,8 +25,8 @@ one needs the long one). The growth per step between consecutive block means is 
   `step_up_z` noise SDs above the window's median growth cut down to that bound) is at least
   `min_growth_mb`, more in a window shorter than `growth_ref_steps`: steps stacked on a sawtooth's
   climb lift its troughs, but its drops cancel its climb;
-- **not slowing**: the last part grows at least `keep_ratio` as fast as the first, and its continuous
-  pace (step-ups cut down) at least `pace_ratio` of the fastest part's (a drift that levels off fails,
+- **not slowing**: the last part grows at least `keep_ratio` as fast as the first, and its steady
+  pace (step-ups and drops cut down) at least `pace_ratio` of the fastest part's (a drift that levels off fails,
   and so do overlapping drifts: slow, fast, slow again), and the window's net rise is at least `net_fraction` of slope x span (a sawtooth that
   dropped back fails); the floor rises too: the lowest block of the last part is above the lowest of
   the first by `net_fraction` of the net rise (a sawtooth's troughs stay at its base whatever its phase
@@ -251,8 +251,14 @@ class MemoryLeakDetector(Detector):
         # climb), so the size bars below are judged on this.
         steady = np.minimum(diffs, usual + s.step_up_z * noise)
         continuous = steady.sum(axis=0)
-        # ... and each part's continuous pace (part k holds the growths between block ends[k] and ends[k+1]).
-        paces = np.add.reduceat(steady, ends[:-1], axis=0) / part_steps
+        # ... and each part's pace (part k holds the growths between block ends[k] and ends[k+1]) with the
+        # drops cut too: a sawtooth's drop on a leaking rank falls in some parts and not in others, and
+        # is no more the leak's pace than a step-up is (dev-027: a leak under a sawtooth resolved and
+        # was raised again when a part held a drop).
+        paced = np.clip(diffs, usual - s.step_up_z * noise, usual + s.step_up_z * noise)
+        paces = np.add.reduceat(paced, ends[:-1], axis=0) / part_steps
+        # The last part's continuous growth (drops kept): the leak's pace as the rank's memory sees it.
+        pace_now = steady[ends[-2] :].sum(axis=0) / part_steps[-1]
         bar = np.maximum(s.min_mb_per_step, s.part_z * noise / part_steps)
         # ... and each part's typical step-to-step growth (the median of its block differences): a leak
         # grows continuously; step-ups that pile up (allocator fragmentation) rise in jumps between
@@ -335,7 +341,7 @@ class MemoryLeakDetector(Detector):
             leaking=full & sustained & kept & threat,
             growing=full & half,
             parts=parts,
-            pace=paces[-1],
+            pace=pace_now,
             span_steps=span,
             growth_mb=net,
             current_mb=current,
