@@ -26,10 +26,10 @@ one needs the long one). The growth per step between consecutive block means is 
   `min_growth_mb`, more in a window shorter than `growth_ref_steps`: steps stacked on a sawtooth's
   climb lift its troughs, but its drops cancel its climb;
 - **not slowing**: the last part grows at least `keep_ratio` as fast as the first, and its steady
-  pace (step-ups and drops cut down) at least `pace_ratio` of the fastest part's (a drift that levels off fails,
-  and so do overlapping drifts: slow, fast, slow again), and the window's net rise is at least `net_fraction` of slope x span (a sawtooth that
-  dropped back fails); the floor rises too: the lowest block of the last part is above the lowest of
-  the first by `net_fraction` of the net rise (a sawtooth's troughs stay at its base whatever its phase
+  pace (step-ups and drops cut down) at least `pace_ratio` of the fastest part's (a drift that levels
+  off fails, and so do overlapping drifts: slow, fast, slow again), and the window's net rise is at
+  least `net_fraction` of slope x span (a sawtooth that dropped back fails); the floor rises too: the
+  lowest block of the last part is above the lowest of the first by `net_fraction` of the net rise (a sawtooth's troughs stay at its base whatever its phase
   at the window's ends, and a drift or allocator step under it is judged on its own size);
 - **threatening**: the memory still to come, projected from the parts (linear when they do not
   slow, else the exponential approach their slowdown implies, whose total is finite) reaches the
@@ -48,16 +48,16 @@ with rank-level ones only for ranks leaking `outlier_factor` x faster than the r
 (a second, different leak hides behind nothing; a rank's pace there is its continuous growth in its
 shortest leaking window, so an allocator step-up on one of the run's leaking ranks is not a second
 leak); while it is open, a rank that crosses the bar later is part of it whatever the count of ranks
-leaking at that moment, and what was raised for its ranks before it formed resolves into it. The same local rank leaking on
-`role_min_nodes` nodes or more at one pace (within `role_pace_ratio`) is one anomaly (key
-`local_rank:K`): one code path on every node's local rank 0, not one problem per node.
+leaking at that moment, and what was raised for its ranks before it formed resolves into it. The same
+local rank leaking on `role_min_nodes` nodes or more at one pace (within `role_pace_ratio`) is one
+anomaly (key `local_rank:K`): one code path on every node's local rank 0, not one problem per node.
 
 A run resumed from a checkpoint (steps go back) starts the history again; what the rank was seen to
 let go before (the largest fall from a high, above its floor) is kept, so a sawtooth that starts over
 with the new processes climbs back to a known peak, not to a new high.
 
-Evidence: `metric`, `mb_per_step` (the latest part's continuous growth), `part_mb_per_step`, `window_steps`,
-`growth_mb` (over the window), `current_mb`, `capacity_mb`, `free_mb`, `steps_to_oom`,
+Evidence: `metric`, `mb_per_step` (the latest part's continuous growth), `part_mb_per_step`,
+`window_steps`, `growth_mb` (over the window), `current_mb`, `capacity_mb`, `free_mb`, `steps_to_oom`,
 `seconds_to_oom`, `horizon_s` (of the judging window), `projected_growth_mb` (the total still to
 come when the slope slows, else null), `slowing` (last part / first part); run level also
 `n_ranks`, `ranks`, `worst_rank`.
@@ -95,7 +95,7 @@ class MemoryLeakSettings(DetectorSettings):
     min_mb_per_step: float = 0.1  # smallest growth per step a part may show
     part_z: float = 3.0  # each part's median growth >= this many standard errors
     keep_ratio: float = 0.5  # the last part grows at least this share as fast as the first
-    pace_ratio: float = 0.7  # ... and at a continuous pace at least this share of the fastest part's
+    pace_ratio: float = 0.7  # ... and at a steady pace at least this share of the fastest part's
     net_fraction: float = 0.5  # the window's net rise >= this share of slope x span
     horizon_s: float = 12 * 3600.0  # out-of-memory projected within this: a leak
     min_growth_mb: float = 512.0  # a window's own rise must be this much: drifts and steps stay below
@@ -119,7 +119,7 @@ class _Window:
     leaking: np.ndarray
     growing: np.ndarray  # passes half the bars: still growing (keeps an open anomaly open)
     parts: np.ndarray  # (sub_windows, R) median growth per part, MB/step
-    pace: np.ndarray  # the last part's continuous growth (step-ups cut down), MB/step: the leak's pace
+    pace: np.ndarray  # the last part's continuous growth (step-ups cut down), MB/step: the leak's pace now
     span_steps: np.ndarray
     growth_mb: np.ndarray
     current_mb: np.ndarray
@@ -286,8 +286,8 @@ class MemoryLeakDetector(Detector):
             # Not slowing: the last part keeps pace with the window's fastest, not only with its first.
             # Drifts that overlap (each levelling off, the next starting) rise slowly, then fast, then
             # slowly again: first and last parts alike, the pace long past its peak (final3-039). Paces
-            # without step-ups: an allocator or evaluation step inside one part is not the leak's pace
-            # (final4-026's leak was found 310 steps later when it counted).
+            # without step-ups or drops: an allocator or evaluation step inside one part is not the
+            # leak's pace (final4-026's leak was found 310 steps later when it counted).
             keeps_pace = paces[-1] >= s.pace_ratio * paces.max(axis=0)
             kept = (last >= s.keep_ratio * first) & keeps_pace & (means[-1] - high >= s.net_fraction * net)
             # ... and above its own earlier peaks inside the window by half what its last part adds.
