@@ -163,21 +163,27 @@ def test_gradient_accumulation_under_no_sync_is_one_record_per_optimizer_step(
     fresh_receiver: Callable[[], Receiver], fast: dict[str, Any]
 ) -> None:
     """4 micro-batches per step, DDP's no_sync on the first 3: one record per optimizer step, the loss
-    the mean over the micro-batches, the forward time the sum of the 4 forwards."""
+    the mean over the micro-batches, the forward time the sum of the 4 forwards. The forward time is
+    compared with one forward through the same wrapper: DDP's own work per forward on this tiny model is
+    as long as the model's, so against a bare model's forward the ratio swung from 4.2 to 9.3."""
     port = free_port()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         ddp = nn.parallel.DistributedDataParallel(Net())
-        one, _, _ = run(fresh_receiver(), fast, Net())
-        four, _, losses = run(fresh_receiver(), fast, ddp, micro=4, no_sync=ddp.no_sync)
+        one, _, _ = run(fresh_receiver(), fast, nn.parallel.DistributedDataParallel(Net()))
+        four, four_batches, losses = run(fresh_receiver(), fast, ddp, micro=4, no_sync=ddp.no_sync)
     finally:
         dist.destroy_process_group()
     assert sorted(four) == list(range(1, STEPS + 1))
     for step, rec in four.items():
         assert rec["loss"] == pytest.approx(losses[step - 1], rel=1e-5), step
     ratio = sorted(four[s]["time.forward_ms"] / one[s]["time.forward_ms"] for s in four)
-    assert 2.0 < ratio[len(ratio) // 2] < 8.0, ratio  # ~4 forwards' worth, not one
+    # 3 forwards under no_sync (DDP does less work in them) and 1 synced, against 1 synced: ~2-2.5 on an
+    # idle machine, 1.9-3.7 on a loaded one; 1.0 when only the last forward is timed.
+    assert 1.5 < ratio[len(ratio) // 2] < 6.0, ratio
+    heartbeats = [x["heartbeat"] for x in four_batches if x.get("heartbeat")]
+    assert heartbeats[-1]["forwards"] == 4 * STEPS  # every micro-batch's forward seen, none twice
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
