@@ -96,12 +96,21 @@ def test_amax_each_is_max_abs_per_tensor_with_nan_kept_on_both_paths() -> None:
         (big, [2.0, 7.0]),
         (mixed, [4.0, 2.0]),
         ([torch.tensor([-5.0, 1.0])], [5.0]),
+        ([torch.tensor(-2.0), torch.tensor(math.nan), torch.tensor(1.5)], [2.0, math.nan, 1.5]),  # 0-dim
+        ([torch.full((2, 3, 4), -6.0), torch.full((2, 3, 4), 0.5)], [6.0, 0.5]),  # 3-dim, one stack
     ):
         before = [t.clone() for t in tensors]
         got = _device.amax_each(tensors)
         assert got.dtype == torch.float32 and got.shape == (len(tensors),)
         assert [str(x) for x in got.tolist()] == [str(x) for x in expected]
         for a, b in zip(tensors, before, strict=True):  # the inputs are only read
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+        # A step that ships no amax: a check per tensor, non-finite exactly where a tensor has a NaN or
+        # an Inf (the max |x| or, stacked on a CPU, the sum), the tensors left alone.
+        check = _device.amax_each(tensors, amax=False)
+        assert check.dtype == torch.float32 and check.shape == (len(tensors),)
+        assert [math.isfinite(x) for x in check.tolist()] == [math.isfinite(x) for x in expected]
+        for a, b in zip(tensors, before, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
@@ -127,6 +136,11 @@ def test_square_sums_match_the_per_tensor_norm_and_leave_the_gradients_alone() -
         want = torch.stack([t.double().square().sum() for t in tensors]).float()
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, want, rtol=1e-4, atol=0)  # float32 sums of 1M squares
+        # The total alone (a step that ships no per-parameter norms), from a fresh plan and a made one.
+        for sums in (_device.SquareSums(), square_sums):
+            total = sums.total(tensors, key)
+            assert total.dim() == 0 and total.dtype in (torch.float32, torch.float64)
+            torch.testing.assert_close(total.double(), want.double().sum(), rtol=1e-4, atol=0)
         assert all(torch.equal(a, b) for a, b in zip(tensors, before, strict=True))
 
 

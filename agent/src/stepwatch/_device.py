@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from operator import attrgetter
 
 import torch
@@ -68,24 +69,41 @@ def check_one(t: torch.Tensor, amax: bool = True) -> torch.Tensor:
     return _f32(torch.linalg.vector_norm(t, math.inf, dtype=wide).reshape(1))
 
 
-def amax_each(tensors: list[torch.Tensor], total: int | None = None) -> torch.Tensor:
+def amax_each(tensors: list[torch.Tensor], total: int | None = None, amax: bool = True) -> torch.Tensor:
     """max |x| of each tensor (non-empty, floating; `total` their elements when known), float32, shape
     (len(tensors),). NaN propagates: max over a NaN is NaN (CPU amax, segment_reduce and vector_norm;
-    CUDA's fused foreach kernel takes `max_propagate_nan`). Never writes into the tensors."""
+    CUDA's fused foreach kernel takes `max_propagate_nan`). Never writes into the tensors.
+
+    `amax=False` (a step that ships no amax, only non-finite flags): where the tensors are stacked on a
+    CPU, each one's sum instead, which is non-finite exactly when an element is (as `check_one`'s), one
+    op fewer; the other paths give the max |x| all the same."""
     with torch.no_grad():
         n = len(tensors)
         if n == 1:  # a flush of one big output: one kernel, as a per-module check would be
-            return check_one(tensors[0])
+            return check_one(tensors[0], amax)
         if _small_on_cpu(tensors, total):
             try:
-                if len(set(map(_shape, tensors))) == 1:  # consecutive layers' outputs, often: one stack
-                    return _f32(torch.stack(tensors).view(n, -1).abs_().amax(1))  # a fresh copy: in place
+                shapes = set(map(_shape, tensors))
+                if len(shapes) == 1:  # consecutive layers' outputs, often: one stack, reduced over
+                    dims = tuple(range(1, len(next(iter(shapes))) + 1))  # all but the first dim
+                    if not dims:  # 0-dim outputs: the stack is the values
+                        return _f32(torch.stack(tensors).abs_() if amax else torch.stack(tensors))
+                    if amax:
+                        return _f32(torch.stack(tensors).abs_().amax(dims))  # a fresh copy: in place
+                    stacked = torch.stack(tensors)
+                    return _f32(stacked.sum(dims, dtype=_wide_of(stacked)))
                 flat = _flatten(tensors).abs_()  # a fresh buffer (more than one tensor): in place is safe
                 lengths = torch.tensor(list(map(_numel, tensors)))
                 return _f32(_segment_reduce(flat, "max", lengths=lengths))
             except RuntimeError:  # not all on the CPU
                 pass
         return _foreach_norms(tensors, math.inf)
+
+
+def _wide_of(t: torch.Tensor) -> torch.dtype:
+    """float64 for a float64 tensor, else float32: the dtype a check sums in (half precision would
+    overflow where the values do not)."""
+    return torch.float64 if t.dtype == torch.float64 else _F32
 
 
 class SquareSums:
@@ -129,15 +147,41 @@ class SquareSums:
 
     def __call__(self, tensors: list[torch.Tensor], key: tuple[int, ...]) -> torch.Tensor:
         with torch.no_grad():
-            if key != self._key:
-                self._plan(tensors, key)  # a key's tensors keep their shapes, dtype and device
-            try:
-                sums = [self._part(kind, [tensors[i] for i in indices]) for kind, indices in self._parts]
-            except RuntimeError:  # not all on the CPU: the foreach op for all of them from now on
-                self._parts, self._order = [("each", list(range(len(tensors))))], None
-                sums = [self._part("each", tensors)]
+            sums = self._each_part(tensors, key, self._part)
             out = sums[0] if len(sums) == 1 else torch.cat(sums)
             return _f32(out if self._order is None else out.index_select(0, self._order))
+
+    def total(self, tensors: list[torch.Tensor], key: tuple[int, ...]) -> torch.Tensor:
+        """The sum of all the squares, 0-dim float32 (or float64): the same plan, without the per-tensor
+        sums a step that ships no per-parameter norms does not need (one `dot` per part instead of a
+        square, a row sum, a `cat` and an `index_select`: a fixed cost of every step)."""
+        with torch.no_grad():
+            sums = self._each_part(tensors, key, self._part_total)
+            if len(sums) < 3:  # one part, or two (weights and biases): one op fewer than stack + sum
+                return sums[0] if len(sums) == 1 else sums[0].add(sums[1])
+            return torch.stack(sums).sum()
+
+    def _each_part(
+        self,
+        tensors: list[torch.Tensor],
+        key: tuple[int, ...],
+        part: Callable[[str, list[torch.Tensor]], torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """`part` of each part of the plan for `key` (made again only when the key changes)."""
+        if key != self._key:
+            self._plan(tensors, key)  # a key's tensors keep their shapes, dtype and device
+        try:
+            return [part(kind, [tensors[i] for i in indices]) for kind, indices in self._parts]
+        except RuntimeError:  # not all on the CPU: the foreach op for all of them from now on
+            self._parts, self._order = [("each", list(range(len(tensors))))], None
+            return [part("each", tensors)]
+
+    def _part_total(self, kind: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+        if kind == "each":
+            norms = _foreach_norms(tensors, 2)
+            return torch.dot(norms, norms)
+        flat = _wide(_flatten(tensors) if kind == "flat" else torch.stack(tensors).view(-1))
+        return torch.dot(flat, flat)
 
     def _part(self, kind: str, tensors: list[torch.Tensor]) -> torch.Tensor:
         if kind == "each":

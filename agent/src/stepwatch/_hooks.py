@@ -34,7 +34,7 @@ STEPS_PER_TRANSFER = 8  # device values of this many steps share one copy to the
 RING_ROWS = 2 * STEPS_PER_TRANSFER + 2
 # Tracked modules' outputs wait for one fused reduction (`Hooks.flush`) until this many calls or
 # elements are queued (16 MiB of float32), or the root forward ends: what the agent keeps alive.
-FLUSH_CALLS = 32
+FLUSH_CALLS = 128
 FLUSH_ELEMENTS = 1 << 22
 # On a CPU an output of more elements is checked on its own, at once (`_device.SMALL_ELEMENTS`: a copy
 # into a stack would cost more than the dispatch it saves). On CUDA every output waits: the foreach
@@ -341,9 +341,16 @@ class Hooks:
             if not grads:
                 return
             # One fused reduction over all gradients (_device.py); float32 so that fp16 squares do not
-            # overflow.
-            squares = self._square_sums(grads, key)
+            # overflow. Per-parameter sums only where they are shipped or weighted.
             cur.hook_names.append("grad_norm")
+            if not (cur.sampled or self._copies):
+                total = self._square_sums.total(grads, key)
+                if cur.row and total.device == self.device:
+                    cur.scalars.append(torch.sqrt(total, out=cur.row[0]))
+                else:
+                    cur.scalars.append(total.sqrt().float())
+                return
+            squares = self._square_sums(grads, key)
             if cur.row and squares.device == self.device:
                 cur.scalars.append(_sum(squares, None, out=cur.row[0]).sqrt_())
             else:
@@ -434,7 +441,7 @@ class Hooks:
         if not pending or "amax" in self._off:
             return
         try:
-            cur.amax.append(amax_each(pending, total))
+            cur.amax.append(amax_each(pending, total, cur.sampled))
             cur.calls += slots
         except Exception as exc:
             self.guard.fail("amax", exc)
