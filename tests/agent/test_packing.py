@@ -170,3 +170,21 @@ def test_check_one_is_the_max_abs_or_on_a_cpu_step_without_amax_a_value_as_finit
         assert str(got.item()) == str(amax)
         quick = _device.check_one(t, amax=False).item()  # the sum on a CPU: only its finiteness is read
         assert math.isfinite(quick) == math.isfinite(amax) and math.isnan(quick) == math.isnan(amax)
+
+
+def test_cuda_memory_comes_from_one_read_of_the_allocators_nested_statistics() -> None:
+    """On a GPU the agent reads `torch.cuda.memory_stats_as_nested_dict()` once per transfer (this
+    machine has no GPU: its parse is checked on a dict of that call's documented shape)."""
+    stat = {"current": 0, "peak": 0, "allocated": 0, "freed": 0}
+    stats = {
+        key: {pool: dict(stat) for pool in ("all", "large_pool", "small_pool")}
+        for key in ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes")
+    }
+    stats["allocated_bytes"]["all"].update(current=3 * 2**30, peak=5 * 2**30)
+    stats["reserved_bytes"]["all"].update(current=6 * 2**30, peak=7 * 2**30)
+    stats["num_alloc_retries"] = 0  # type: ignore[assignment]
+    assert _device.cuda_memory_mb(stats) == {
+        "mem.allocated_mb": 3072.0,
+        "mem.reserved_mb": 6144.0,
+        "mem.peak_mb": 5120.0,
+    }

@@ -3,6 +3,7 @@ around a resume (new sessions, repeated steps, a silent gap), as a collector rec
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from collections import defaultdict
@@ -89,6 +90,34 @@ def test_capacity_is_reported_with_every_step() -> None:
     _, batches = stream(PAUSES)
     with_steps = [b for b in batches if b["steps"]]
     assert all(b["metrics"]["mem.capacity_mb"] == [81_559.0] * len(b["steps"]) for b in with_steps)
+
+
+def test_the_newer_agent_sends_the_allocators_memory_once_per_transfer() -> None:
+    """`memory_every=8`: the agent reads the allocator once per transfer of 8 steps, so the memory
+    values (and the capacity sent with them) are on every 8th step and on the last step of each batch,
+    null between; the same values as a run that reads them every step, and every other metric intact."""
+    sparse = dataclasses.replace(PAUSES, name="sparse-mem", memory_every=8)
+    _, every = stream(PAUSES)
+    _, batches = stream(sparse)
+    memory = ("mem.allocated_mb", "mem.reserved_mb", "mem.peak_mb", "mem.capacity_mb")
+    full = {
+        (b["rank"], s): {k: b["metrics"][k][i] for k in memory}
+        for b in every
+        for i, s in enumerate(b["steps"])
+    }
+    seen = 0
+    for b in (b for b in batches if b["steps"]):
+        assert b["metrics"]["loss"] == [x for x in b["metrics"]["loss"] if x is not None]  # every step
+        last = len(b["steps"]) - 1
+        for i, step in enumerate(b["steps"]):
+            sent = step % 8 == 0 or i == last
+            for k in memory:
+                value = b["metrics"][k][i]
+                assert (value is not None) == sent, (k, step, i, last)
+                if sent:
+                    assert value == full[(b["rank"], step)][k]
+                    seen += 1
+    assert seen > 0
 
 
 def test_a_hang_with_activity_shows_who_waits_in_a_collective() -> None:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from operator import attrgetter
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,6 +15,7 @@ from ._records import Chunk, StepRecord
 # Same-size integer view of a parameter's bytes, by element size.
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _F32 = torch.float32
+MIB = 2**20
 # On a CPU, tensors up to this many elements in all are copied into one buffer and reduced per tensor
 # by one `segment_reduce`: `torch._foreach_norm` there is a loop of one dispatched op per tensor
 # (bench/README.md, host_cost). Beyond it (or on any other device: one fused kernel on CUDA) the
@@ -197,6 +199,25 @@ class SquareSums:
 def _wide(t: torch.Tensor) -> torch.Tensor:
     """float32 or float64 as it is; half precision in float32 (its squares would overflow)."""
     return t if t.dtype in (_F32, torch.float64) else t.to(_F32)
+
+
+def cuda_memory_mb(stats: Mapping[str, Any]) -> dict[str, float]:
+    """The caching allocator's memory in MiB from `torch.cuda.memory_stats_as_nested_dict()`: what is
+    allocated now, what it reserved from the device, the peak allocated (since the last reset)."""
+    allocated, reserved = stats["allocated_bytes"]["all"], stats["reserved_bytes"]["all"]
+    return {
+        "mem.allocated_mb": allocated["current"] / MIB,
+        "mem.reserved_mb": reserved["current"] / MIB,
+        "mem.peak_mb": allocated["peak"] / MIB,
+    }
+
+
+def read_cuda_memory_mb(device: torch.device) -> dict[str, float]:
+    """One read of the allocator's statistics (host memory only, no sync). Read once per transfer:
+    `torch.cuda.memory_allocated()` and its siblings each build and flatten the whole statistics
+    dict (hundreds of keys), three of them every step were a cost on the thread that launches the
+    kernels."""
+    return cuda_memory_mb(torch.cuda.memory_stats_as_nested_dict(device))
 
 
 def transfer(records: list[StepRecord], cuda: bool) -> Chunk:

@@ -20,7 +20,16 @@ from torch import nn
 
 from ._capacity import device_capacity_mb
 from ._config import Config
-from ._device import SMALL_ELEMENTS, Fingerprinter, SquareSums, amax_each, check_one, local, transfer
+from ._device import (
+    SMALL_ELEMENTS,
+    Fingerprinter,
+    SquareSums,
+    amax_each,
+    check_one,
+    local,
+    read_cuda_memory_mb,
+    transfer,
+)
 from ._guard import Guard
 from ._layout import Layout
 from ._records import Chunk, Live, StepRecord
@@ -409,10 +418,7 @@ class Hooks:
             self._step += 1
             prev_end = self._prev_end
             if self.cuda:
-                end_host = _perf()
-                cur.host["mem.allocated_mb"] = torch.cuda.memory_allocated(self.device) / 2**20
-                cur.host["mem.reserved_mb"] = torch.cuda.memory_reserved(self.device) / 2**20
-                cur.host["mem.peak_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
+                end_host = _perf()  # the allocator's memory: read once per transfer (transfer())
             else:
                 end_host = end
                 host, opt_start = cur.host, cur.opt_start
@@ -480,6 +486,11 @@ class Hooks:
         self.live.transfer_requested = False
         records, self._pending = self._pending, []
         if records:
+            if self.cuda and "memory" not in self._off:
+                try:  # on the last step of the chunk: the memory as that step left it
+                    records[-1].host.update(read_cuda_memory_mb(self.device))
+                except Exception as exc:
+                    self.guard.fail("memory", exc)
             self._submit(transfer(records, self.cuda))
 
     # -- user calls (training thread) --------------------------------------------------------------

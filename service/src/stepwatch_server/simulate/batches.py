@@ -54,6 +54,8 @@ METRICS: tuple[tuple[str, str, int], ...] = (
 _NONFINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
 STREAM_SESSION = 5
 CAPACITY_METRIC = "mem.capacity_mb"
+# Read by the agent from the allocator together (and the capacity sent with them).
+MEMORY_METRICS = ("mem.allocated_mb", "mem.reserved_mb", "mem.peak_mb", CAPACITY_METRIC)
 # What the training thread's stack shows (innermost first) in each activity; "{u}" is the user's module.
 STACKS: dict[str, tuple[str, ...]] = {
     "data": ("torch.utils.data.dataloader:_BaseDataLoaderIter.__next__", "{u}:main"),
@@ -315,6 +317,15 @@ class _RankChunk:
             metrics["lr"] = self.lr[i:k]
             if self.scn.capacity_mb is not None:
                 metrics[CAPACITY_METRIC] = [self.scn.capacity_mb] * (k - i)
+            every = self.scn.memory_every
+            if every > 1:  # read once per transfer: every n-th step and the batch's last, null between
+                skip = [j for j, step in enumerate(self.steps[i : k - 1]) if step % every]
+                for name in MEMORY_METRICS:
+                    col = metrics.get(name)
+                    if col is not None:
+                        col = metrics[name] = list(col)
+                        for j in skip:
+                            col[j] = None
             b["metrics"] = metrics
             trows = [j for j in self.trows if i <= j < k]
             if trows:

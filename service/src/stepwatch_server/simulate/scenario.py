@@ -238,7 +238,9 @@ class Scenario:
     `eval_forwards_per_s` during evaluations, checkpoints saved by `ckpt_savers`, the user's code in
     module `user_module`); `capacity_mb`, the device's memory, sent as `mem.capacity_mb` (None: not
     reported); `base_alloc_mb`, `act_peak_mb`, `data_share`: the run's memory level, activation
-    memory and the data wait's share of the step (None: the physics' defaults).
+    memory and the data wait's share of the step (None: the physics' defaults); `memory_every`, the
+    steps between the agent's reads of the allocator's memory (the GPU agent reads it once per transfer
+    of 8 steps: `mem.*` on every 8th step and on the last step of each batch, null between).
     """
 
     name: str
@@ -281,10 +283,13 @@ class Scenario:
     base_alloc_mb: float | None = None
     act_peak_mb: float | None = None
     data_share: float | None = None
+    memory_every: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.steps < 1 or self.ranks_per_node < 1 or self.chunk_steps < 1:
             raise ValueError(f"{self.name}: world_size, steps, ranks_per_node and chunk_steps must be >= 1")
+        if self.memory_every < 1:
+            raise ValueError(f"{self.name}: memory_every must be >= 1, got {self.memory_every}")
         if self.grad_accum < 1 or not set(self.marked_pauses) <= set(PAUSE_KINDS):
             raise ValueError(f"{self.name}: grad_accum must be >= 1, marked_pauses a subset of {PAUSE_KINDS}")
         if self.data_share is not None and not 0.0 < self.data_share < 0.5:
@@ -447,6 +452,7 @@ class Scenario:
             "marked_pauses": list(self.marked_pauses),
             "agent_activity": self.agent_activity,
             "capacity_mb": self.capacity_mb,
+            "memory_every": self.memory_every,
             "faults": [{"kind": f.kind, **_fields(f)} for f in self.faults],
             "benign": [{"kind": b.kind, **_fields(b)} for b in self.benign],
             "labels": [lab.as_dict() for lab in self.labels],

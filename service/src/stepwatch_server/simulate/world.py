@@ -42,6 +42,7 @@ from stepwatch_server.simulate.world_faults import Placement, Variant, log_unifo
 
 SPLITS = ("dev", "heldout", "final", "final2", "final3", "final4", "final5")
 RUNS_PER_SPLIT = 40
+AGENT_STEPS_PER_TRANSFER = 8  # the agent's device values of this many steps share one copy to the host
 CLEAN_RUNS = 13
 # World sizes of a split's runs: a quarter <= 4 ranks, one of 512.
 WORLD_SIZES = {2: 3, 3: 3, 4: 4, 8: 7, 16: 6, 32: 8, 64: 4, 128: 3, 256: 1, 512: 1}
@@ -203,6 +204,9 @@ def _memory(
     kw["base_alloc_mb"] = round(max(MIN_BASE_MB, base), 1)
     kw["act_peak_mb"] = round(act, 1)
     kw["capacity_mb"] = capacity if kw["agent_activity"] else None
+    # The newer agent reads a GPU's allocator once per transfer (stepwatch._hooks.STEPS_PER_TRANSFER),
+    # the older one on every step.
+    kw["memory_every"] = AGENT_STEPS_PER_TRANSFER if kw["agent_activity"] else 1
 
 
 def build(p: RunPlan, max_steps: int | None = None) -> Scenario:
