@@ -66,6 +66,8 @@ def test_all_is_honest() -> None:
     [
         ({"run": "bad name!"}, "run"),
         ({"run": "x" * 201}, "run"),
+        ({"run": ".."}, "run"),  # a folder, not a run: it spooled one level above spool_dir
+        ({"run": "."}, "run"),
         ({"url": "ftp://host"}, "url"),
         ({"url": "http://:80"}, "url"),
         ({"amax_every": 0}, "amax_every"),
@@ -92,6 +94,21 @@ def test_bad_options_raise_value_error_naming_the_option(options: dict[str, Any]
     kwargs = {"run": "ok"} | options
     with pytest.raises(ValueError, match=named):
         stepwatch.attach(model, opt, **kwargs)
+
+
+def test_every_spool_path_stays_inside_the_spool_dir(tmp_path: Path) -> None:
+    """By construction, whatever the run name (the attach check aside): one folder per run, right
+    under the spool directory, distinct for distinct names."""
+    from stepwatch._spool import spool_path
+
+    base = (tmp_path / "spool").resolve()
+    names = ["..", ".", "...", "a/../..", "../x", "a b", "a_b", "run-1", "x" * 200, "/abs", "é"]
+    paths = [spool_path(base, name, 3) for name in names]
+    for name, path in zip(names, paths, strict=True):
+        assert path.resolve().parent.parent == base, (name, path)
+        assert path.name == "rank-3"
+    assert len({p.parent for p in paths}) == len(names)
+    assert spool_path(base, "run-1", 0) == base / "run-1" / "rank-0"  # a plain name is kept as it is
 
 
 def test_run_is_required_and_bad_objects_are_refused() -> None:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import stepwatch
+from tests.conftest import require_module
 
 from .conftest import MLP, Receiver, make_model, train
 from .contract import validate
@@ -433,3 +434,76 @@ def test_small_and_big_outputs_keep_call_order_and_exact_amax(
         assert reported[s] == pytest.approx(true_amax[s], rel=1e-6), s
     events = [e for b in batches for e in b.get("events", []) if e["kind"] == "nonfinite"]
     assert [(e["step"], e["data"]["module"]) for e in events] == [(5, "small_in")]
+
+
+def test_a_bare_module_as_the_model_and_odd_module_names_send_batches_the_collector_accepts(
+    receiver: Receiver, fast: dict[str, Any]
+) -> None:
+    """A bare `nn.Linear` is its own root: named `model`, not `''` (every batch was rejected). Names
+    from a ModuleDict may hold any characters and any length: the agent sends each as a valid name,
+    distinct from the others, so the collector's own validator accepts every batch."""
+    validate_batch = require_module("stepwatch_server.ingest.validate").parse_batch
+
+    bare = nn.Linear(4, 4)
+    opt = torch.optim.SGD(bare.parameters(), lr=0.01)
+    watch = stepwatch.attach(bare, opt, run="bare-linear", url=receiver.url, **fast)
+    for _ in range(20):
+        bare(torch.randn(2, 4)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    watch.close(timeout_s=5)
+    batches = receiver.accepted()
+    for batch in batches:
+        validate(batch)
+        validate_batch(batch)
+    assert receiver.steps() == list(range(1, 21))
+    sampled = [b for b in batches if "tensors" in b]
+    assert sampled and all(set(b["tensors"]["stats"]["amax"]) == {"model"} for b in sampled)
+    assert set(sampled[0]["tensors"]["stats"]["grad_norm"]) == {"weight", "bias"}
+
+    receiver.requests.clear()
+    long = "x" * 300
+    odd = nn.ModuleDict(
+        {"a b": nn.Linear(4, 4), "a_b": nn.Linear(4, 4), long: nn.Linear(4, 4), "é": nn.Linear(4, 4)}
+    )
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = odd
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks.values():
+                x = block(x)
+            return x
+
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    watch = stepwatch.attach(net, opt, run="odd-names", url=receiver.url, **fast)
+    for _ in range(10):
+        net(torch.randn(2, 4)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    watch.close(timeout_s=5)
+    batches = receiver.accepted()
+    for batch in batches:
+        validate(batch)
+        validate_batch(batch)
+    sampled = [b for b in batches if "tensors" in b]
+    amax_names = list(sampled[0]["tensors"]["stats"]["amax"])
+    grad_names = list(sampled[0]["tensors"]["stats"]["grad_norm"])
+    assert len(set(amax_names)) == 4 and len(set(grad_names)) == 8  # still one per module, per parameter
+    assert "blocks.a_b" in amax_names  # a valid name is sent as it is
+    assert all(len(n) <= 200 for n in amax_names + grad_names)
+
+
+def test_wire_names_keep_valid_names_and_make_the_others_valid_and_distinct() -> None:
+    from stepwatch._step import NAME, wire_names
+
+    long_a, long_b = "y" * 250 + "a", "y" * 250 + "b"  # the same first 191 characters
+    names = ["", "model", "a b", "a_b", long_a, long_b, "é", "fc1"]
+    wires = wire_names(names)
+    assert wires[:4] == ("model[1]", "model", "a_b[1]", "a_b")  # valid names win; the root is `model`
+    assert wires[-1] == "fc1" and len(set(wires)) == len(names)
+    assert all(NAME.fullmatch(w) for w in wires)
+    assert wires[4] != wires[5] and all(len(w) <= 200 for w in wires)

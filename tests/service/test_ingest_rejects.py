@@ -76,6 +76,7 @@ CASES: list[tuple[str, Callable[[dict[str, Any]], None], int, str | None, str]] 
     ("schema-missing", _set("schema", ...), 422, "schema", "missing"),
     ("unknown-field", _set("metric", {}), 422, "metric", "unknown field"),
     ("run-bad-chars", _set("run", "my run!"), 422, "run", "invalid run name"),
+    ("run-only-dots", _set("run", ".."), 422, "run", "not only dots"),  # a path segment, not a run
     ("session-short", _set("session", "abc"), 422, "session", "invalid session id"),
     ("metrics-not-object", _set("metrics", [1, 2, 3]), 422, "metrics", "expected an object, got an array"),
     (

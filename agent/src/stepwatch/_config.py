@@ -127,6 +127,11 @@ def build_config(
         raise ValueError("stepwatch: option run is missing; pass run='my-run' or set STEPWATCH_RUN")
     if not isinstance(run, str) or not RUN_NAME.fullmatch(run):
         raise ValueError(f"stepwatch: option run={run!r} must be 1-200 characters of A-Za-z0-9._:/@+-")
+    if not run.strip("."):
+        raise ValueError(
+            f"stepwatch: option run={run!r} is only dots, which names a folder, not a run; "
+            "give it a letter or digit, e.g. run='exp-1'"
+        )
     url = _url(url if url is not None else environ.get("STEPWATCH_URL", DEFAULT_URL))
     token = token if token is not None else (environ.get("STEPWATCH_TOKEN") or None)
     if token is not None and (not isinstance(token, str) or not token or any(c in token for c in "\r\n")):

@@ -33,7 +33,7 @@ from ._device import (
 from ._guard import Guard
 from ._layout import Layout
 from ._records import Chunk, Live, StepRecord
-from ._step import Step, find_loss, first_tensor, log_one, resumed_step, valid_name
+from ._step import Step, find_loss, first_tensor, log_one, resumed_step, valid_name, wire_names
 
 logger = logging.getLogger("stepwatch")
 
@@ -146,7 +146,10 @@ class Hooks:
         self.device = param.device if param is not None else torch.device("cpu")
         self.cuda = self.device.type == "cuda"
         self.capacity_mb = self._capacity_mb()  # read once: the sender adds it to the memory values
-        self._pnames = {id(p): n for n, p in model.named_parameters()}
+        named_params = list(model.named_parameters())
+        self._pnames = dict(
+            zip((id(p) for _, p in named_params), wire_names([n for n, _ in named_params]), strict=True)
+        )
         self._fingerprint = Fingerprinter(model)
         # Every rank its own shard (FSDP2 or TP over all ranks): no fingerprint has a replica to agree with.
         self._fingerprints = config.fingerprint_every if layout is None or layout.replicas > 1 else 0
@@ -177,7 +180,7 @@ class Hooks:
         tracked = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
         named = dict(model.named_modules())
         tracked.update({n: named[n] for n in config.track})
-        self._order = tuple(tracked)  # tracked module names; a tap's slot indexes them
+        self._order = wire_names(list(tracked))  # tracked modules' names as sent; a tap's slot indexes them
         self._taps = [self._tap(slot, module) for slot, module in enumerate(tracked.values())]
         self._handles += [
             model.register_forward_pre_hook(_EagerHook(self._on_forward_pre)),

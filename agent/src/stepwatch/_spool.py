@@ -14,8 +14,12 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
 def spool_path(base: Path, run: str, rank: int) -> Path:
-    """`<base>/<run>/rank-<rank>`; run names with characters unsafe in paths get a short hash."""
+    """`<base>/<run>/rank-<rank>`, always one folder right under `base`: a run name with characters
+    unsafe in paths (a `/` among them) or made only of dots (`.`, `..`: not a folder of its own) has
+    them replaced and a short hash of the name added, so distinct names keep distinct folders."""
     safe = _UNSAFE.sub("_", run)
+    if not safe.strip("."):
+        safe = safe.replace(".", "_")
     if safe != run:
         safe = f"{safe}-{hashlib.sha1(run.encode()).hexdigest()[:8]}"
     return base.expanduser() / safe / f"rank-{rank}"

@@ -5,6 +5,7 @@ Training thread only. Device values stay 0-dim device tensors in plain lists; no
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -15,6 +16,30 @@ from ._records import StepRecord
 
 NAME = re.compile(r"[A-Za-z0-9._:/@+\-\[\]]{1,200}")
 MAX_KNOWN_NAMES = 1_000  # watch.log() names remembered as valid (skips the regex); beyond, checked each time
+ROOT_NAME = "model"  # the root module's name ('' in named_modules(): a bare nn.Linear as the model)
+_NOT_IN_NAME = re.compile(r"[^A-Za-z0-9._:/@+\-\[\]]")
+
+
+def wire_names(names: Sequence[str]) -> tuple[str, ...]:
+    """Module or parameter names as the collector accepts them (`NAME`), one for one and distinct: a
+    valid name is kept as it is; the root's '' becomes `model`, other characters `_`, a name over 200
+    characters its first 191 and a short hash of the whole, and one that then meets a name already
+    taken (a child module called `model`) a `[k]` suffix."""
+    wires = list(names)
+    taken = {n for n in names if NAME.fullmatch(n)}
+    for i, name in enumerate(names):
+        if name in taken:
+            continue
+        wire = ROOT_NAME if name == "" else _NOT_IN_NAME.sub("_", name)
+        if len(wire) > 200:
+            wire = f"{wire[:191]}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+        base, k = wire, 1
+        while wire in taken:
+            suffix = f"[{k}]"
+            wire, k = base[: 200 - len(suffix)] + suffix, k + 1
+        taken.add(wire)
+        wires[i] = wire
+    return tuple(wires)
 
 
 def find_loss(output: Any) -> torch.Tensor | None:

@@ -23,7 +23,8 @@ MAX_AGENT_VERSION_CHARS = 64
 MAX_STEP = 2**62  # steps and counters must fit a signed 64-bit column with room to spare
 EVENT_KINDS = frozenset({"nonfinite", "phase_start", "phase_end", "note", "session_end"})
 
-RUN_RE = re.compile(r"[A-Za-z0-9._:/@+\-]{1,200}")
+# Not only dots: "." and ".." name folders (a spool path, a URL path segment), not runs.
+RUN_RE = re.compile(r"(?!\.+$)[A-Za-z0-9._:/@+\-]{1,200}")
 SESSION_RE = re.compile(r"[A-Za-z0-9_\-]{8,64}")
 NAME_RE = re.compile(r"[A-Za-z0-9._:/@+\-\[\]]{1,200}")
 FINGERPRINT_RE = re.compile(r"[0-9a-fA-F]{16}")
