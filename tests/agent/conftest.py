@@ -29,8 +29,9 @@ HANG_LIMIT_S = 10.0  # a "hanging" receiver never holds a request longer than th
 class Receiver:
     """A stdlib HTTP server on 127.0.0.1 that decodes gzip JSON batches and records them.
 
-    `respond(batch, headers) -> (status, headers, body) | "hang" | None` decides the answer;
-    None means 200 with an acknowledgement.
+    `respond(batch, headers) -> (status, headers, body) | "hang" | "drip" | None` decides the answer;
+    None means 200 with an acknowledgement, "drip" a 200 whose body comes a byte at a time; a body
+    that is bytes is sent as it is (not JSON-encoded).
     """
 
     def __init__(self, port: int = 0) -> None:
@@ -59,7 +60,7 @@ class Receiver:
                 batch = json.loads(raw)
                 headers = {k.lower(): v for k, v in self.headers.items()}
                 answer = receiver.respond(batch, headers)
-                status = 200 if answer is None or answer == "hang" else answer[0]
+                status = 200 if answer is None or answer in ("hang", "drip") else answer[0]
                 with receiver.lock:
                     receiver.requests.append(
                         {
@@ -67,16 +68,31 @@ class Receiver:
                             "headers": headers,
                             "t": time.monotonic(),
                             "status": status,
+                            "acked": answer is None,  # the collector's acknowledgement was the answer
                             "path": self.path,
                         }
                     )
                 if answer == "hang":
                     receiver.release.wait(HANG_LIMIT_S)
                     return
+                if answer == "drip":  # a 200 whose body comes a byte every 0.2 s (bounded)
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", "1000")
+                    self.end_headers()
+                    for _ in range(int(HANG_LIMIT_S / 0.2)):
+                        if receiver.release.wait(0.2):
+                            return
+                        try:
+                            self.wfile.write(b" ")
+                            self.wfile.flush()
+                        except OSError:  # the agent gave up and closed the connection
+                            return
+                    return
                 if answer is None:
                     answer = (200, {}, {"accepted": True, "rows": 1, "duplicates": 0, "incarnation": 1})
                 code, extra, body = answer
-                data = json.dumps(body).encode()
+                data = body if isinstance(body, bytes) else json.dumps(body).encode()
                 self.send_response(code)
                 for k, v in extra.items():
                     self.send_header(k, v)
@@ -103,7 +119,7 @@ class Receiver:
     # -- what arrived --------------------------------------------------------------------------
     def accepted(self) -> list[dict[str, Any]]:
         with self.lock:
-            return [r["batch"] for r in self.requests if r["status"] == 200]
+            return [r["batch"] for r in self.requests if r["acked"]]
 
     def data_batches(self) -> list[dict[str, Any]]:
         return [b for b in self.accepted() if b["steps"] or b.get("events")]

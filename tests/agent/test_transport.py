@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import gzip
+import json
 import os
 import socket
 import threading
@@ -10,6 +12,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 import stepwatch
 from stepwatch._guard import Counters
@@ -145,7 +149,7 @@ def test_429_retry_after_is_honoured(receiver: Receiver, fast: dict[str, Any]) -
     assert receiver.steps() == list(range(1, 11))
 
 
-def test_4xx_is_counted_logged_once_and_never_retried(
+def test_4xx_is_counted_logged_once_never_retried_and_kept_aside(
     receiver: Receiver, fast: dict[str, Any], stepwatch_log: Any
 ) -> None:
     error = {"error": {"code": "invalid", "field": "metrics.loss[3]", "message": "expected a number"}}
@@ -160,6 +164,7 @@ def test_4xx_is_counted_logged_once_and_never_retried(
     keys = [(r["batch"]["session"], r["batch"]["seq"]) for r in receiver.requests if r["batch"]["steps"]]
     assert len(keys) == len(set(keys)) >= 2  # each batch tried once
     assert stats["rejected_batches"] == len(keys) and stats["retries"] == 0 and stats["spooled_batches"] == 0
+    assert stats["quarantined_batches"] == len(keys) == len(_quarantined(fast, "rejected"))  # kept on disk
     assert all(r["headers"]["authorization"] == "Bearer s3cret" for r in receiver.requests)
     rejected = [r.getMessage() for r in stepwatch_log.records if "rejected" in r.getMessage()]
     assert len(rejected) == 1 and "metrics.loss[3]: expected a number" in rejected[0]
@@ -254,3 +259,108 @@ def test_batches_share_one_kept_alive_connection_and_survive_the_collector_closi
     finally:
         transport.close()
         server.stop()
+
+
+def _quarantined(fast: dict[str, Any], run: str) -> list[Path]:
+    return sorted((fast["spool_dir"] / run / "rank-0" / "quarantine").glob("*.json.gz"))
+
+
+@pytest.mark.parametrize(
+    "answer", [b"not json", b'{"accepted": false}', b"{}"], ids=["garbage", "accepted-false", "empty-object"]
+)
+def test_a_2xx_without_the_acknowledgement_is_not_a_delivery(
+    receiver: Receiver, fast: dict[str, Any], stepwatch_log: Any, answer: bytes
+) -> None:
+    """Only `{"accepted": true}` counts as delivered; any other 2xx keeps the batch in the spool, is said
+    once, and everything arrives once a collector acknowledges."""
+    receiver.respond = lambda batch, headers: (200, {}, answer)
+    model, opt = make_model()
+    watch = stepwatch.attach(model, opt, run="no-ack", url=receiver.url, **fast)
+    train(model, opt, 30)
+    with watch.phase("idle"):  # a known pause hands the finished steps to the sender
+        assert receiver.wait_for(lambda: watch.stats()["spooled_batches"] >= 1, 10)
+        assert watch.stats()["sent_batches"] == 0
+        receiver.respond = lambda batch, headers: None
+        assert receiver.wait_for(lambda: receiver.steps() == list(range(1, 31)), 15)
+    watch.close(timeout_s=5)
+    said = [r.getMessage() for r in stepwatch_log.records if "acknowledgement" in r.getMessage()]
+    assert len(said) == 1 and "spool" in said[0]
+    assert watch.stats()["quarantined_batches"] == 0
+
+
+def test_a_redirect_keeps_the_batches_and_is_said_once(
+    receiver: Receiver, fast: dict[str, Any], stepwatch_log: Any
+) -> None:
+    """A 301 dropped every batch; now the batches wait in the spool, the redirect is said once with its
+    target, and they arrive when the collector answers at that URL again."""
+    target = "http://collector.example:8000/api/v1/ingest"
+    receiver.respond = lambda batch, headers: (301, {"Location": target}, {})
+    model, opt = make_model()
+    watch = stepwatch.attach(model, opt, run="moved", url=receiver.url, **fast)
+    train(model, opt, 30)
+    with watch.phase("idle"):
+        assert receiver.wait_for(lambda: watch.stats()["spooled_batches"] >= 1, 10)
+        receiver.respond = lambda batch, headers: None
+        assert receiver.wait_for(lambda: receiver.steps() == list(range(1, 31)), 15)
+    watch.close(timeout_s=5)
+    said = [r.getMessage() for r in stepwatch_log.records if "redirect" in r.getMessage()]
+    assert len(said) == 1 and target in said[0] and "301" in said[0]
+    assert watch.stats()["rejected_batches"] == 0
+
+
+def test_a_batch_that_always_gets_a_500_is_set_aside_and_the_rest_arrive(
+    receiver: Receiver, fast: dict[str, Any], stepwatch_log: Any
+) -> None:
+    """One poisoned batch (the collector answers it 500 every time) used to block every batch behind it
+    for good; it is quarantined on disk after MAX_ANSWERED_FAILURES answers and the others go on."""
+    from stepwatch._sender import MAX_ANSWERED_FAILURES
+
+    poisoned: list[int] = []
+
+    def respond(batch: dict[str, Any], headers: dict[str, str]) -> Any:
+        if batch["steps"] and (not poisoned or batch["steps"][0] == poisoned[0]):
+            poisoned[:1] = [batch["steps"][0]]
+            return (500, {}, {"error": {"message": "a server bug"}})
+        return None
+
+    receiver.respond = respond
+    model, opt = make_model()
+    watch = stepwatch.attach(model, opt, run="poison", url=receiver.url, **fast)
+    train(model, opt, 60, between=lambda _: time.sleep(0.01))
+    with watch.phase("idle"):
+        receiver.wait_for(lambda: watch.stats()["quarantined_batches"] == 1, 20)
+    watch.close(timeout_s=5)
+    stats = watch.stats()
+    assert stats["quarantined_batches"] == 1
+    files = _quarantined(fast, "poison")
+    assert len(files) == 1
+    reason = files[0].with_name(files[0].name + ".reason.txt").read_text()
+    assert reason.startswith("500") and "a server bug" in reason
+    set_aside = set(json.loads(gzip.decompress(files[0].read_bytes()))["steps"])
+    assert poisoned[0] in set_aside
+    assert sorted(set(receiver.steps()) | set_aside) == list(range(1, 61))  # every other step arrived
+    tries = [r for r in receiver.requests if r["batch"]["steps"] and r["batch"]["steps"][0] == poisoned[0]]
+    assert len(tries) == 1 + MAX_ANSWERED_FAILURES  # sent once, then tried again from the spool
+    assert any("set aside" in r.getMessage() for r in stepwatch_log.records)
+
+
+def test_a_collector_answering_a_byte_at_a_time_cannot_hold_the_sender(
+    receiver: Receiver, fast: dict[str, Any]
+) -> None:
+    """Every request has a total deadline (`timeout_s`): a collector that drips its answer keeps each
+    read alive, but the batch is given up on by the deadline and spooled, and training never waits."""
+    receiver.respond = lambda batch, headers: "drip"
+    transport = Transport(receiver.url + "/api/v1/ingest", None, 0.5, threading.Event(), Counters())
+    start = time.monotonic()
+    result = transport.post_once(gzip.compress(b'{"steps": []}'), 0.5)
+    assert time.monotonic() - start < 0.5 + 0.5
+    assert result.outcome is Outcome.UNAVAILABLE and "timed out" in result.message
+
+    model, opt = make_model()
+    watch = stepwatch.attach(model, opt, run="drip", url=receiver.url, **dict(fast, timeout_s=0.5))
+    start = time.monotonic()
+    train(model, opt, 100, between=lambda _: time.sleep(0.005))
+    assert time.monotonic() - start < 5
+    assert receiver.wait_for(lambda: watch.stats()["spooled_batches"] >= 1, 10)
+    watch.close(timeout_s=1.0)
+    assert watch.stats()["sent_batches"] == 0

@@ -16,7 +16,8 @@ COUNTER_NAMES = (
     "replayed_batches",  # spooled batches later acknowledged
     "retries",  # HTTP attempts repeated after 429/502/503/504, a timeout or a connection error
     "send_failures",  # batches given up on by the deadline (then spooled)
-    "rejected_batches",  # batches the collector refused with a 4xx (dropped, never retried)
+    "rejected_batches",  # batches the collector refused with a 4xx (never retried; quarantined)
+    "quarantined_batches",  # batches set aside on disk so that the ones behind them go on (_spool.py)
     "dropped_buffer_full",  # step records dropped because the host buffer was full
     "dropped_spool_full",  # spooled batches deleted (oldest first) to keep the spool bounded
     "dropped_unsent",  # batches lost: could be neither sent nor spooled

@@ -16,7 +16,7 @@ from ._config import Config
 from ._guard import Counters, Guard
 from ._identity import Identity
 from ._records import Chunk, Live
-from ._spool import Spool
+from ._spool import QUARANTINE, SUFFIX, Quarantine, Spool
 from ._transport import Outcome, Result, Transport, backoff_s
 
 logger = logging.getLogger("stepwatch")
@@ -26,6 +26,9 @@ MAX_STEPS_PER_BATCH = 1_000
 WAKE_STEPS = 256  # wake the sender early once this many steps wait
 MAX_PENDING_EVENTS = 1_000
 BATCH_DEADLINE_FACTOR = 3  # a data batch is retried for up to this many request timeouts, then spooled
+# A spooled batch the collector answers with a server error that is not "try later" (a 500, not 502-504)
+# this many times is set aside (quarantined): the ones behind it go on.
+MAX_ANSWERED_FAILURES = 5
 JITTER = 0.2  # +-20% on every interval, so that a thousand ranks do not send in lock-step
 
 
@@ -71,6 +74,9 @@ class Sender:
         self._next_replay = now
         self._replay_attempt = 0
         self._rejections_logged = False
+        self._said: set[str] = set()  # what was logged once already
+        self._failures: dict[str, int] = {}  # spooled batch -> answered failures so far
+        self.quarantine = Quarantine(spool.directory / QUARANTINE, counters, guard)
         self.left_steps = 0
 
     # -- training thread ---------------------------------------------------------------------------
@@ -228,8 +234,10 @@ class Sender:
                 self.counters.add("sent_steps", n)
             elif result.outcome is Outcome.REJECTED:
                 self._rejected(result)
+                self._set_aside(self._spool_key(seq) + SUFFIX, body, result)
             else:
                 self.counters.add("send_failures")
+                self._note(result)
                 self._defer(result)
                 if not self.spool.put(self._spool_key(seq), body):
                     self.counters.add("dropped_unsent")
@@ -245,15 +253,21 @@ class Sender:
             timeout = self.config.timeout_s if deadline is None else deadline - time.monotonic()
             result = self._transport.post_once(body, min(self.config.timeout_s, timeout))
             if result.outcome is Outcome.UNAVAILABLE:
-                self._defer(result)
-                return
+                self._note(result)
+                failures = self._failures[name] = self._failures.get(name, 0) + result.server_error
+                if failures < MAX_ANSWERED_FAILURES:
+                    self._defer(result)
+                    return
             self.spool.remove(name)
+            self._failures.pop(name, None)
             self._replay_attempt = 0
             if result.outcome is Outcome.SENT:
                 self.counters.add("replayed_batches")
                 self.counters.add("sent_batches")
             else:
-                self._rejected(result)
+                if result.outcome is Outcome.REJECTED:
+                    self._rejected(result)
+                self._set_aside(name, body, result)
 
     def _defer(self, result: Result) -> None:
         wait = result.retry_after_s if result.retry_after_s is not None else backoff_s(self._replay_attempt)
@@ -281,7 +295,43 @@ class Sender:
         if not self._rejections_logged:
             self._rejections_logged = True
             logger.error(
-                "stepwatch: the collector rejected a batch (%s); such batches are dropped, "
-                "not retried (logged once)",
+                "stepwatch: the collector rejected a batch (%s); such batches are not retried: they are "
+                "set aside in %s (logged once)",
                 result.message,
+                self.quarantine.directory,
             )
+
+    def _set_aside(self, name: str, body: bytes, result: Result) -> None:
+        """Quarantine a batch the collector will not take, so that the ones behind it go on."""
+        self.quarantine.put(name, body, f"{result.status} {result.message}")
+        if result.outcome is not Outcome.REJECTED:
+            self._say(
+                "quarantine",
+                "stepwatch: a batch the collector answered %d times with a server error (%s) was set aside in "
+                "%s; the batches behind it go on (logged once)",
+                MAX_ANSWERED_FAILURES, result.message, self.quarantine.directory,
+            )  # fmt: skip
+
+    def _note(self, result: Result) -> None:
+        """Say once what no retry will fix by itself: a redirect, or a 2xx that is no acknowledgement."""
+        status = result.status
+        if status is not None and 300 <= status < 400:
+            self._say(
+                "redirect",
+                "stepwatch: the collector at %s answers %d, a redirect to %s; stepwatch does not follow "
+                "redirects: batches wait in the spool. Set url (or STEPWATCH_URL) to the address it "
+                "points to (logged once)",
+                self.config.ingest_url, status, result.location,
+            )  # fmt: skip
+        elif status is not None and 200 <= status < 300:
+            self._say(
+                "no-ack",
+                "stepwatch: %s answered %s; only the collector's acknowledgement counts as delivered, "
+                "so batches wait in the spool. Is url a stepwatch collector? (logged once)",
+                self.config.ingest_url, result.message,
+            )  # fmt: skip
+
+    def _say(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            logger.error(message, *args)

@@ -98,3 +98,36 @@ class Spool:
     def _drop_oldest(self) -> None:
         self.remove(self._files[0][0])
         self._counters.add("dropped_spool_full")
+
+
+QUARANTINE = "quarantine"  # under the spool directory: batches the collector will not take
+QUARANTINE_FILES = 32  # kept for inspection, newest; older ones are deleted
+
+
+class Quarantine:
+    """Batches set aside so that the ones behind them go on: refused with a 4xx (other than 408/429),
+    or answered with a server error (a 5xx other than 502-504) on `MAX_ANSWERED_FAILURES` tries. Each is kept as `<name>` (the gzip JSON body as sent) beside
+    `<name>.reason.txt` (status and message), at most QUARANTINE_FILES of them, newest kept; counted
+    in `quarantined_batches`. Sender thread only."""
+
+    def __init__(self, directory: Path, counters: Counters, guard: Guard) -> None:
+        self.directory = directory
+        self._counters = counters
+        self._guard = guard
+
+    def put(self, name: str, body: bytes, reason: str) -> None:
+        self._counters.add("quarantined_batches")
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = self.directory / f".{name}.tmp"
+            tmp.write_bytes(body)
+            os.replace(tmp, self.directory / name)
+            (self.directory / f"{name}.reason.txt").write_text(reason[:2000] + "\n", encoding="utf-8")
+            kept = sorted(
+                n for n in os.listdir(self.directory) if n.endswith(SUFFIX) and not n.startswith(".")
+            )
+            for old in kept[: max(0, len(kept) - QUARANTINE_FILES)]:
+                for path in (self.directory / old, self.directory / f"{old}.reason.txt"):
+                    path.unlink(missing_ok=True)
+        except OSError as exc:
+            self._guard.fail("spool", exc, disable=False)

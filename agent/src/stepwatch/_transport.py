@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import http.client
 import json
@@ -14,7 +15,7 @@ from urllib.parse import urlsplit
 
 from ._guard import Counters
 
-RETRY_STATUSES = frozenset({429, 502, 503, 504})
+RETRY_STATUSES = frozenset({408, 429, 502, 503, 504})
 BACKOFF_BASE_S = 0.25
 MAX_BACKOFF_S = 30.0
 MAX_RETRY_AFTER_S = 300.0
@@ -22,9 +23,10 @@ MAX_ANSWER_BYTES = 64 * 1024
 
 
 class Outcome(enum.Enum):
-    SENT = "sent"  # 2xx: the collector has the batch
-    REJECTED = "rejected"  # a 4xx (or 3xx): the batch is bad or unauthorised; never retried
-    UNAVAILABLE = "unavailable"  # down, overloaded, timed out or a 5xx: keep the batch for later
+    SENT = "sent"  # 2xx with the documented acknowledgement: the collector has the batch
+    REJECTED = "rejected"  # a 4xx other than 408/429: the batch is bad or unauthorised; never retried
+    # Down, overloaded, timed out, a 5xx, a redirect or a 2xx that is no acknowledgement: keep the batch.
+    UNAVAILABLE = "unavailable"
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,23 @@ class Result:
     status: int | None = None
     message: str = ""
     retry_after_s: float | None = None
+    location: str | None = None  # where a redirect points
+
+    @property
+    def server_error(self) -> bool:
+        """A 5xx other than "try later" (502-504): the collector failed on this batch, and sending the
+        same batch again may never work (a redirect or a missing acknowledgement is the set-up's fault,
+        not the batch's: those batches wait in the spool)."""
+        return self.status is not None and self.status >= 500 and self.status not in RETRY_STATUSES
+
+
+def _acknowledged(body: bytes) -> bool:
+    """The documented acknowledgement (docs/ingest.md): a JSON object with `"accepted": true`."""
+    try:
+        answer = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(answer, dict) and answer.get("accepted") is True
 
 
 def backoff_s(attempt: int) -> float:
@@ -45,6 +64,20 @@ def _retry_after(value: str | None) -> float | None:
         return min(MAX_RETRY_AFTER_S, max(0.0, float(value))) if value is not None else None
     except ValueError:  # an HTTP date: fall back to our own backoff
         return None
+
+
+def _shut(conn: http.client.HTTPConnection, sent_on: list[socket.socket]) -> None:
+    """The request's deadline passed: end the blocked connect, send or read (from the watchdog's
+    thread). An answer that closes the connection has been handed the socket (`conn.sock` is None
+    then): the socket the request went out on is the one to shut."""
+    sock = sent_on[0] if sent_on else conn.sock
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+
+def _excerpt(body: bytes) -> str:
+    return repr(body[:80].decode("utf-8", "replace")) + ("..." if len(body) > 80 else "")
 
 
 def _message(status: int, body: bytes) -> str:
@@ -100,19 +133,42 @@ class Transport:
             conn.close()
 
     def post_once(self, body: bytes, timeout_s: float) -> Result:
+        """One request (two when a kept-alive connection turns out closed), over within `timeout_s` in
+        all: a socket timeout bounds each read, and a watchdog shuts the socket down at the deadline,
+        so that a collector answering a byte at a time cannot hold the sender."""
         timeout_s = max(0.05, timeout_s)
+        end = time.monotonic() + timeout_s
         for attempt in range(2):
             reused = self._conn is not None
-            conn = self._connection(timeout_s)
+            conn = self._connection(max(0.05, end - time.monotonic()))
+            sent_on: list[socket.socket] = []  # the socket the answer comes on (getresponse may let go of it)
+            watchdog = threading.Timer(max(0.0, end - time.monotonic()), _shut, (conn, sent_on))
+            watchdog.daemon = True
+            watchdog.start()
             try:
                 conn.request("POST", self._path, body=body, headers=self._headers)
+                if conn.sock is not None:
+                    sent_on.append(conn.sock)
                 answer = conn.getresponse()
                 data = answer.read(MAX_ANSWER_BYTES)
+                if time.monotonic() >= end:  # cut short by the watchdog: whatever came is not the answer
+                    self.close()
+                    return Result(
+                        Outcome.UNAVAILABLE, None, f"timed out: no whole answer within {timeout_s:.1f} s"
+                    )
                 status = answer.status
-                if not 200 <= status < 300 or answer.will_close or not answer.isclosed():
+                ok = 200 <= status < 300 and _acknowledged(data)
+                if not ok or answer.will_close or not answer.isclosed():
                     self.close()  # a failure, a closing answer, or one longer than we read
-                if 200 <= status < 300:
+                if ok:
                     return Result(Outcome.SENT, status)
+                if 200 <= status < 300:
+                    return Result(
+                        Outcome.UNAVAILABLE, status, f"{status} but no acknowledgement: {_excerpt(data)}"
+                    )
+                if 300 <= status < 400:
+                    where = answer.getheader("Location")
+                    return Result(Outcome.UNAVAILABLE, status, f"{status} redirect to {where}", None, where)
                 if status in RETRY_STATUSES or status >= 500:
                     return Result(
                         Outcome.UNAVAILABLE,
@@ -123,13 +179,20 @@ class Transport:
                 return Result(Outcome.REJECTED, status, _message(status, data))
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
                 self.close()
-                if reused and attempt == 0:  # the collector closed the idle connection: a new one
+                if reused and attempt == 0 and time.monotonic() < end:  # closed while idle: a new one
                     continue
                 return Result(Outcome.UNAVAILABLE, None, f"{type(exc).__name__}: {exc}")
             except (OSError, http.client.HTTPException) as exc:  # refused, timeout, DNS, bad answer
                 self.close()
-                kind = "timed out" if isinstance(exc, socket.timeout | TimeoutError) else type(exc).__name__
+                late = time.monotonic() >= end
+                kind = (
+                    "timed out"
+                    if late or isinstance(exc, socket.timeout | TimeoutError)
+                    else type(exc).__name__
+                )
                 return Result(Outcome.UNAVAILABLE, None, f"{kind}: {exc}")
+            finally:
+                watchdog.cancel()
         raise AssertionError("unreachable")  # pragma: no cover
 
     def post(self, body: bytes, deadline: float, retry: bool = True, closing: bool = False) -> Result:
