@@ -60,6 +60,7 @@ class Receiver:
     delay_s: float = 0.0
     received: list[Received] = field(default_factory=list)
     script: list[tuple[int, dict[str, str]]] = field(default_factory=list)
+    echo: bool = False  # answer bodies quote the request's path and query, as many receivers' errors do
     _server: http.server.ThreadingHTTPServer | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -85,9 +86,10 @@ class Receiver:
                 self.send_response(status)
                 for name, value in headers.items():
                     self.send_header(name, value)
-                self.send_header("Content-Length", "2")
+                answer = f"no such hook: {self.path}".encode() if receiver.echo else b"ok"
+                self.send_header("Content-Length", str(len(answer)))
                 self.end_headers()
-                self.wfile.write(b"ok")
+                self.wfile.write(answer)
 
             def log_message(self, *args: Any) -> None:
                 pass

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from stepwatch_server.alerts import load_config
+from stepwatch_server.alerts.transport import redact
 from tests.alerts.conftest import write_config
 from tests.alerts.helpers import config_text, post_nan_runs, settled
 from tests.alerts.receiver import Receiver
@@ -84,6 +85,38 @@ def test_429_retry_after_is_honoured_and_a_404_is_given_up(
     gone = next(d for d in settled(collector)["deliveries"] if d["run"] == "gone")
     assert (gone["status"], gone["attempts"], gone["last_status_code"]) == ("failed", 1, 404)
     assert gone["last_error"].startswith("HTTP 404")
+
+
+def test_a_failure_keeps_no_secret_of_the_channel_url_where_the_api_shows_it(
+    start_collector: Callable[..., Collector], receiver: Receiver, secrets: dict[str, str], tmp_path: Path
+) -> None:
+    """A receiver's error body that echoes the webhook's path and query (a Slack hook's path is its
+    secret, `?api_key=` another) was stored as `last_error` and shown by `GET /api/v1/alerts`, which
+    needs no token: only the status and its standard reason are kept now."""
+    text = webhook_only(receiver).replace("/hook", "/services/T0/SECRETPATH?api_key=SECRETKEY")
+    collector = start_collector(alerts=load_config(write_config(tmp_path, text)))
+    receiver.echo = True
+    receiver.script = [(403, {})]
+    post_nan_runs(collector.post, ["leaky"])
+    failed = next(d for d in settled(collector)["deliveries"] if d["run"] == "leaky")
+    assert (failed["status"], failed["last_status_code"]) == ("failed", 403)
+    assert failed["last_error"] == "HTTP 403 Forbidden"
+    assert b"SECRETKEY" in receiver.received[0].path.encode()  # the receiver did see (and echo) it
+    shown = collector.http.get("/api/v1/alerts").text
+    assert "SECRET" not in shown
+
+
+def test_messages_that_quote_the_channel_url_are_redacted() -> None:
+    url = "https://hooks.slack.example/services/T0/SECRETPATH?api_key=SECRETKEY"
+    for message in (
+        f"bad channel url: unknown url type: {url!r}",
+        "cannot connect: /services/T0/SECRETPATH?api_key=SECRETKEY refused",
+        "GET /services/T0/SECRETPATH failed; api_key=SECRETKEY",
+    ):
+        assert "SECRET" not in redact(message, url), message
+    assert redact("cannot connect: [Errno 111] Connection refused", url) == (
+        "cannot connect: [Errno 111] Connection refused"
+    )
 
 
 def test_rate_limit_holds_back_what_exceeds_it(

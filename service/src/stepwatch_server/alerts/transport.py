@@ -4,14 +4,21 @@
 seconds or as an HTTP date, as a lower bound). Any other answer (400, 403, 404, a redirect): a
 permanent failure, because sending the same body again cannot succeed. Redirects are not followed: a
 signed body must reach the URL that was configured.
+
+What is kept of a failure (`Result.error`, stored as the delivery's `last_error` and shown by the API
+and the page) is the status and a short reason of our own: never the receiver's answer body, which can
+echo the request's path and query (a Slack webhook's path is its secret, `?api_key=` another), and
+never the channel's URL, which is cut out of any message that quotes it.
 """
 
 from __future__ import annotations
 
 import email.utils
+import http
 import json
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
@@ -57,34 +64,59 @@ def post(channel: Channel, payload: dict[str, Any], idempotency_key: str, timeou
     }
     if channel.secret is not None:
         headers[SIGNATURE_HEADER] = sign(channel.secret, body)
-    request = urllib.request.Request(channel.url, data=body, headers=headers, method="POST")
     try:
+        request = urllib.request.Request(channel.url, data=body, headers=headers, method="POST")
         with _opener.open(request, timeout=timeout_s) as response:
             response.read()
             return Result(ok=True, status=response.status)
     except urllib.error.HTTPError as exc:
-        detail = _read(exc)
+        _discard(exc)  # the body is not kept: it may echo the URL's secret parts
         retry_after = parse_retry_after(exc.headers.get("Retry-After")) if exc.headers else None
         return Result(
             ok=False,
             status=exc.code,
-            error=f"HTTP {exc.code}" + (f": {detail}" if detail else ""),
+            error=f"HTTP {exc.code} {_phrase(exc.code)}".rstrip(),
             retryable=exc.code in RETRYABLE_STATUSES,
             retry_after_s=retry_after,
         )
     except TimeoutError:
         return Result(ok=False, error=f"timed out after {timeout_s:g} s", retryable=True)
     except urllib.error.URLError as exc:
-        return Result(ok=False, error=f"cannot connect: {exc.reason}"[:MAX_ERROR_CHARS], retryable=True)
+        return Result(ok=False, error=redact(f"cannot connect: {exc.reason}", channel.url), retryable=True)
     except OSError as exc:
-        return Result(ok=False, error=f"connection failed: {exc}"[:MAX_ERROR_CHARS], retryable=True)
+        return Result(ok=False, error=redact(f"connection failed: {exc}", channel.url), retryable=True)
+    except ValueError as exc:  # a URL urllib cannot use: sending again will not help
+        return Result(ok=False, error=redact(f"bad channel url: {exc}", channel.url))
 
 
-def _read(exc: urllib.error.HTTPError) -> str:
+def redact(message: str, url: str) -> str:
+    """`message` without the channel's URL, its path or its query (replaced by `<url>`, `<path>`,
+    `<query>`), at most MAX_ERROR_CHARS characters."""
+    parts = urllib.parse.urlsplit(url)
+    for secret, mark in (
+        (url, "<url>"),
+        (parts.path + "?" + parts.query, "<path>"),
+        (parts.query, "<query>"),
+    ):
+        if secret and secret not in ("?", "/"):
+            message = message.replace(secret, mark)
+    if parts.path not in ("", "/"):
+        message = message.replace(parts.path, "<path>")
+    return message[:MAX_ERROR_CHARS]
+
+
+def _phrase(code: int) -> str:
     try:
-        return exc.read(MAX_ERROR_CHARS).decode("utf-8", "replace").strip()
-    except OSError:
+        return http.HTTPStatus(code).phrase
+    except ValueError:
         return ""
+
+
+def _discard(exc: urllib.error.HTTPError) -> None:
+    try:
+        exc.read(MAX_ERROR_CHARS)
+    except OSError:
+        pass
     finally:
         exc.close()
 
