@@ -279,3 +279,17 @@ def test_gunzip_is_bounded_against_a_gigabyte_bomb() -> None:
     with pytest.raises(PayloadTooLarge):
         gunzip_bounded(bomb, MAX_BATCH_BYTES)
     assert gunzip_bounded(member * 2, 256 * 1024 * 1024) == b"\0" * (128 * 1024 * 1024)
+
+
+def test_an_error_never_echoes_a_huge_input_back(populated: Collector) -> None:
+    """A 1 MiB metric name came back whole inside the 422 (15 MiB in the report): the message and the
+    field are cut to a bounded length that still names the field and the problem."""
+    huge = "m" * (1 << 20) + " "  # invalid (a space): the name is echoed in the field path and message
+    batch = make_batch(run=f"bad-{uuid.uuid4().hex[:8]}")
+    batch["metrics"][huge] = batch["metrics"]["loss"]
+    response = populated.post(orjson.dumps(batch), headers={"Content-Type": "application/json"})
+    assert response.status_code == 422
+    assert len(response.content) < 4_000
+    error = response.json()["error"]
+    assert error["field"].startswith("metrics.mmmm") and len(error["field"]) <= 300
+    assert "characters" in error["message"] and len(error["message"]) <= 1_000

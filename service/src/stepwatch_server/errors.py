@@ -7,6 +7,8 @@ field and the problem, so that a client author can fix the request from the answ
 
 from __future__ import annotations
 
+import re
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -70,10 +72,31 @@ class ServiceUnavailable(ApiError):
     code = "unavailable"
 
 
+MAX_FIELD_CHARS = 300  # an error's `field`, cut beyond this
+MAX_MESSAGE_CHARS = 1_000  # its `message`
+_LONG_WORD = re.compile(r"\S{121,}")  # an echoed value (a name, a string) too long to quote whole
+
+
+def _clip_word(match: re.Match[str]) -> str:
+    word = match.group()
+    return f"{word[:80]}... ({len(word):,} characters)"
+
+
+def _clip(text: str, limit: int) -> str:
+    """`text` with every run of over 120 non-blank characters cut to its first 80 and its length, and
+    at most `limit` characters in all: an error never sends a client's huge input back to it."""
+    if len(text) <= 120:
+        return text
+    text = _LONG_WORD.sub(_clip_word, text)
+    return text if len(text) <= limit else f"{text[: limit - 20]}... (cut)"
+
+
 def _render(
     status: int, code: str, field: str | None, message: str, headers: dict[str, str] | None = None
 ) -> Response:
-    body = {"error": {"code": code, "field": field, "message": message}}
+    if field is not None:
+        field = _clip(field, MAX_FIELD_CHARS)
+    body = {"error": {"code": code, "field": field, "message": _clip(message, MAX_MESSAGE_CHARS)}}
     return json_response(body, status=status, headers=headers)
 
 

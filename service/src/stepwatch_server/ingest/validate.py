@@ -347,7 +347,9 @@ def parse_batch(doc: Any) -> Batch:
 
     run = _string(doc["run"], "run", 200)
     if RUN_RE.fullmatch(run) is None:
-        raise _fail("run", f"invalid run name {run!r}: use 1-200 characters of A-Za-z0-9._:/@+-, not only dots")
+        raise _fail(
+            "run", f"invalid run name {run!r}: use 1-200 characters of A-Za-z0-9._:/@+-, not only dots"
+        )
     session = _string(doc["session"], "session", 64)
     if SESSION_RE.fullmatch(session) is None:
         raise _fail("session", f"invalid session id {session!r}: use 8-64 characters of A-Za-z0-9_-")
