@@ -48,6 +48,13 @@ def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
     return mutate
 
 
+def _nested(depth: int) -> dict[str, Any]:
+    value: dict[str, Any] = {}
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
 def _tensor(name: str, value: Any) -> Callable[[dict[str, Any]], None]:
     def mutate(batch: dict[str, Any]) -> None:
         batch["tensors"]["stats"]["amax"][name] = value
@@ -77,6 +84,18 @@ CASES: list[tuple[str, Callable[[dict[str, Any]], None], int, str | None, str]] 
     ("unknown-field", _set("metric", {}), 422, "metric", "unknown field"),
     ("run-bad-chars", _set("run", "my run!"), 422, "run", "invalid run name"),
     ("run-only-dots", _set("run", ".."), 422, "run", "not only dots"),  # a path segment, not a run
+    # Each was a 500 (a datetime out of range, PostgreSQL refusing a NUL, orjson's depth limit).
+    ("heartbeat-ts-1e18", _set("heartbeat.ts", 1e18), 422, "heartbeat.ts", "Unix seconds"),
+    ("heartbeat-ts-minus-1e18", _set("heartbeat.ts", -1e18), 422, "heartbeat.ts", "Unix seconds"),
+    ("heartbeat-ts-1e308", _set("heartbeat.ts", 1e308), 422, "heartbeat.ts", "Unix seconds"),
+    ("heartbeat-ts-year-10000", _set("heartbeat.ts", 253_402_300_800.0), 422, "heartbeat.ts", "Unix seconds"),
+    ("event-ts-year-0", _set("events[0].ts", -62_167_219_200.0), 422, "events[0].ts", "Unix seconds"),
+    ("timestamp-year-10000", _set("timestamps[1]", 253_402_300_800.0), 422, "timestamps[1]", "Unix seconds"),
+    ("node-nul", _set("node", "gpu\x0012"), 422, "node", "NUL"),
+    ("heartbeat-phase-nul", _set("heartbeat.phase", "da\x00ta"), 422, "heartbeat.phase", "NUL"),
+    ("agent-version-nul", _set("agent.version", "0.1\x00"), 422, "agent.version", "NUL"),
+    ("event-data-nul", _set("events[1].data.phase", "ev\x00al"), 422, "events[1].data", "NUL"),
+    ("event-data-deep", _set("events[0].data", _nested(100)), 422, "events[0].data", "nested"),
     ("session-short", _set("session", "abc"), 422, "session", "invalid session id"),
     ("metrics-not-object", _set("metrics", [1, 2, 3]), 422, "metrics", "expected an object, got an array"),
     (

@@ -23,6 +23,10 @@ MAX_AGENT_VERSION_CHARS = 64
 MAX_STEP = 2**62  # steps and counters must fit a signed 64-bit column with room to spare
 EVENT_KINDS = frozenset({"nonfinite", "phase_start", "phase_end", "note", "session_end"})
 
+# Event time in Unix seconds: from 1970 to the last second a datetime holds (9999-12-31T23:59:59 UTC).
+MIN_TS = 0.0
+MAX_TS = 253_402_300_799.0
+MAX_EVENT_DATA_DEPTH = 32  # objects and arrays inside one event's data
 # Not only dots: "." and ".." name folders (a spool path, a URL path segment), not runs.
 RUN_RE = re.compile(r"(?!\.+$)[A-Za-z0-9._:/@+\-]{1,200}")
 SESSION_RE = re.compile(r"[A-Za-z0-9_\-]{8,64}")

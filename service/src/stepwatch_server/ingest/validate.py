@@ -20,12 +20,15 @@ from stepwatch_server.ingest.schema import (
     FINGERPRINT_RE,
     MAX_AGENT_VERSION_CHARS,
     MAX_EVENT_DATA_BYTES,
+    MAX_EVENT_DATA_DEPTH,
     MAX_FRAME_CHARS,
     MAX_NODE_CHARS,
     MAX_PHASE_CHARS,
     MAX_STACK_FRAMES,
     MAX_STEP,
+    MAX_TS,
     MAX_VALUES_PER_BATCH,
+    MIN_TS,
     NAME_RE,
     RUN_RE,
     SCHEMA_VERSIONS,
@@ -92,12 +95,37 @@ def _number(value: Any, path: str) -> float:
     return result
 
 
+def _ts(value: Any, path: str) -> float:
+    result = _number(value, path)
+    if not MIN_TS <= result <= MAX_TS:
+        raise _fail(
+            path, f"expected Unix seconds between {MIN_TS:.0f} (1970) and {MAX_TS:.0f} (9999), got {value}"
+        )
+    return result
+
+
 def _string(value: Any, path: str, max_chars: int) -> str:
     if type(value) is not str:
         raise _fail(path, f"expected a string, got {json_type(value)}")
     if not value or len(value) > max_chars:
         raise _fail(path, f"must be 1-{max_chars} characters, got {len(value)}")
+    if "\x00" in value:
+        raise _fail(path, f"must not contain a NUL character (U+0000), at index {value.index(chr(0))}")
     return value
+
+
+def _depth(value: Any, limit: int) -> int:
+    """How deep objects and arrays nest in `value`, counted up to `limit + 1` (no deeper walk)."""
+    deepest, level = 0, [value]
+    while level and deepest <= limit:
+        level = [
+            v
+            for item in level
+            for v in (item.values() if type(item) is dict else item if type(item) is list else ())
+            if type(v) in (dict, list)
+        ]
+        deepest += 1
+    return deepest
 
 
 def _name(value: str, path: str) -> str:
@@ -264,13 +292,21 @@ def _events(value: Any, budget: _Budget) -> tuple[BatchEvent, ...]:
             shown = repr(kind[:40]) if type(kind) is str else json_type(kind)
             raise _fail(f"{path}.kind", f"expected one of {', '.join(sorted(EVENT_KINDS))}, got {shown}")
         data = _object(raw.get("data", {}), f"{path}.data")
-        size = len(orjson.dumps(data))
-        if size > MAX_EVENT_DATA_BYTES:
-            raise _fail(f"{path}.data", f"is {size} bytes as JSON; the limit is {MAX_EVENT_DATA_BYTES}")
+        if _depth(data, MAX_EVENT_DATA_DEPTH) > MAX_EVENT_DATA_DEPTH:
+            raise _fail(
+                f"{path}.data", f"objects and arrays nested deeper than {MAX_EVENT_DATA_DEPTH} levels"
+            )
+        encoded = orjson.dumps(data)
+        if len(encoded) > MAX_EVENT_DATA_BYTES:
+            raise _fail(
+                f"{path}.data", f"is {len(encoded)} bytes as JSON; the limit is {MAX_EVENT_DATA_BYTES}"
+            )
+        if b"\\u0000" in encoded:  # a NUL in a key or a string: PostgreSQL's text and JSONB refuse it
+            raise _fail(f"{path}.data", "must not contain a NUL character (U+0000) in any key or string")
         events.append(
             BatchEvent(
                 step=_int(raw["step"], f"{path}.step", 0),
-                ts=_number(raw["ts"], f"{path}.ts"),
+                ts=_ts(raw["ts"], f"{path}.ts"),
                 kind=kind,
                 data=data,
             )
@@ -289,7 +325,7 @@ def _heartbeat(value: Any) -> Heartbeat:
     last_step = raw.get("last_step")
     forwards, nograd = raw.get("forwards"), raw.get("nograd_forwards")
     return Heartbeat(
-        ts=_number(raw["ts"], "heartbeat.ts"),
+        ts=_ts(raw["ts"], "heartbeat.ts"),
         phase=None if phase is None else _string(phase, "heartbeat.phase", MAX_PHASE_CHARS),
         last_step=None if last_step is None else _int(last_step, "heartbeat.last_step", 0),
         forwards=None if forwards is None else _int(forwards, "heartbeat.forwards", 0),
@@ -374,9 +410,13 @@ def parse_batch(doc: Any) -> Batch:
     ts_items = _array(doc["timestamps"], "timestamps")
     _length(ts_items, "timestamps", steps.shape[0], "steps")
     timestamps = _value_column(ts_items, "timestamps", steps.shape[0], "steps").values
-    bad = np.flatnonzero(~np.isfinite(timestamps))
+    bad = np.flatnonzero(~((timestamps >= MIN_TS) & (timestamps <= MAX_TS)))  # NaN fails both
     if bad.size:
-        raise _fail(f"timestamps[{int(bad[0])}]", "expected a finite number (Unix seconds)")
+        raise _fail(
+            f"timestamps[{int(bad[0])}]",
+            f"expected a finite number of Unix seconds between {MIN_TS:.0f} (1970) and {MAX_TS:.0f} (9999), "
+            f"got {timestamps[bad[0]]}",
+        )
 
     metrics = {} if doc.get("metrics") is None else _metrics(doc["metrics"], steps, budget)
     tensor_steps: np.ndarray = _EMPTY_STEPS
