@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import re
 from pathlib import Path
 
 import httpx
+import pytest
 
 import stepwatch_server
 from stepwatch_server.ingest.example import EXAMPLE_BATCH
@@ -46,3 +49,38 @@ def test_documented_limits_are_the_enforced_ones() -> None:
     text = DOC.read_text()
     assert MAX_BATCH_BYTES == 16 * 1024 * 1024 and "**16 MiB**" in text
     assert f"{MAX_VALUES_PER_BATCH:,}" in text
+
+
+def test_an_unexpected_error_answers_500_in_the_documented_shape_without_details(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug behind any route (here one that raises, added to the real app) answers the error shape,
+    with nothing of the exception in the answer and all of it in the log."""
+    from stepwatch_server.app import create_app
+    from stepwatch_server.settings import Settings
+
+    app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'x.db'}"))
+
+    @app.get("/boom")
+    def boom() -> None:
+        raise RuntimeError("secret detail /path?api_key=K")
+
+    async def get() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+            return await client.get("/boom")
+
+    with caplog.at_level(logging.ERROR, logger="stepwatch_server"):
+        response = asyncio.run(get())
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert error["code"] == "internal_error" and error["field"] is None and "log" in error["message"]
+    assert "secret" not in response.text
+    assert any("secret detail" in r.getMessage() or r.exc_info for r in caplog.records)
+
+
+def test_a_bad_query_parameter_is_an_invalid_parameter_not_an_invalid_batch(collector: Collector) -> None:
+    response = collector.http.get("/api/v1/alerts", params={"status": "nope"})
+    assert response.status_code == 422
+    assert response.json()["error"]["code"] == "invalid_parameter"
+    assert response.json()["error"]["field"] == "status"

@@ -7,6 +7,7 @@ field and the problem, so that a client author can fix the request from the answ
 
 from __future__ import annotations
 
+import logging
 import re
 
 from fastapi import FastAPI, Request
@@ -15,6 +16,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from stepwatch_server.responses import json_response
+
+log = logging.getLogger("stepwatch_server")
 
 
 class ApiError(Exception):
@@ -65,6 +68,13 @@ class InvalidBatch(ApiError):
 
     status = 422
     code = "invalid_field"
+
+
+class InvalidParameter(ApiError):
+    """A query or path parameter is wrong: 422, naming the parameter."""
+
+    status = 422
+    code = "invalid_parameter"
 
 
 class ServiceUnavailable(ApiError):
@@ -122,8 +132,17 @@ async def _query_error(request: Request, exc: Exception) -> Response:
     return _render(422, "invalid_parameter", field, message)
 
 
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    """Anything else is a bug of ours: 500 in the same shape, the details in the server's log (never in
+    the answer), so that a client's error path handles it like any other."""
+    log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+    message = "internal error: the collector's log has the details (please report it)"
+    return _render(500, "internal_error", None, message)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Route every error the API can produce through the one error shape."""
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _query_error)
+    app.add_exception_handler(Exception, _unexpected)

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query, Request
 from sqlalchemy import func, select
 from starlette.responses import Response
 
-from stepwatch_server.errors import InvalidBatch
+from stepwatch_server.errors import InvalidParameter
 from stepwatch_server.responses import json_response
 from stepwatch_server.runs.routes import Conn
 from stepwatch_server.storage.models import AlertDelivery, AlertEvent
@@ -29,10 +29,9 @@ def alert_log(
     limit: Annotated[int, Query(ge=1, le=MAX_DELIVERIES)] = 100,
 ) -> Response:
     if status is not None and status not in STATUSES:
-        raise InvalidBatch(
+        raise InvalidParameter(
             f"status: expected one of {', '.join(STATUSES)}, got {status!r}",
             field="status",
-            code="invalid_parameter",
         )
     stmt = select(AlertDelivery.__table__).order_by(AlertDelivery.id.desc()).limit(limit)
     if status is not None:

@@ -22,7 +22,7 @@ from sqlalchemy import Connection, select
 from starlette.responses import Response
 
 from stepwatch_server.detect.anomalies import KINDS, SEVERITIES
-from stepwatch_server.errors import InvalidBatch
+from stepwatch_server.errors import InvalidParameter
 from stepwatch_server.responses import json_response, nonfinite_name
 from stepwatch_server.runs import queries
 from stepwatch_server.runs.routes import Conn
@@ -44,9 +44,7 @@ Limit = Annotated[int, Query(ge=1, le=MAX_ANOMALIES, description="most recent fi
 def _choice(name: str, value: str | None, allowed: tuple[str, ...]) -> str | None:
     if value is None or value in allowed:
         return value
-    raise InvalidBatch(
-        f"{name}: expected one of {', '.join(allowed)}, got {value!r}", field=name, code="invalid_parameter"
-    )
+    raise InvalidParameter(f"{name}: expected one of {', '.join(allowed)}, got {value!r}", field=name)
 
 
 def _num(value: float | None) -> float | str | None:

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from sqlalchemy import Connection
 from starlette.responses import Response
 
-from stepwatch_server.errors import InvalidBatch, NotFound
+from stepwatch_server.errors import InvalidParameter, NotFound
 from stepwatch_server.ingest.schema import EVENT_KINDS
 from stepwatch_server.responses import float_list, json_response
 from stepwatch_server.runs import queries, step_rollups
@@ -55,7 +55,7 @@ def _rank_filter(rank: str, allow_mean: bool = True) -> tuple[int | None, bool]:
     if rank.isdigit():
         return int(rank), False
     choices = "a rank number, 'all' or 'mean'" if allow_mean else "a rank number or 'all'"
-    raise InvalidBatch(f"rank: expected {choices}, got {rank!r}", field="rank", code="invalid_parameter")
+    raise InvalidParameter(f"rank: expected {choices}, got {rank!r}", field="rank")
 
 
 def _shape(
@@ -120,11 +120,10 @@ def _global_norm(
     replicated parameters counted once per replica), so a replica's total is the sum over its shards,
     and over all reporting ranks it is num_shards x their mean (every replica holds the same gradients)."""
     if metric not in GLOBAL_METRICS:
-        raise InvalidBatch(
+        raise InvalidParameter(
             f"rank=global combines shards of a gradient norm: metric must be one of {list(GLOBAL_METRICS)}, "
             f"got {metric!r} (use rank=mean for an average over ranks)",
             field="rank",
-            code="invalid_parameter",
         )
     shards = queries.num_shards(conn, found.id)
     ids = queries.series_ids(conn, found.id, METRIC_STAT, "grad_sumsq")
