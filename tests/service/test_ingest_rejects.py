@@ -84,6 +84,7 @@ CASES: list[tuple[str, Callable[[dict[str, Any]], None], int, str | None, str]] 
     ("unknown-field", _set("metric", {}), 422, "metric", "unknown field"),
     ("run-bad-chars", _set("run", "my run!"), 422, "run", "invalid run name"),
     ("run-only-dots", _set("run", ".."), 422, "run", "not only dots"),  # a path segment, not a run
+    ("world-size-10M", _set("world_size", 10_000_000), 422, "world_size", "must be <= 131072"),
     # Each was a 500 (a datetime out of range, PostgreSQL refusing a NUL, orjson's depth limit).
     ("heartbeat-ts-1e18", _set("heartbeat.ts", 1e18), 422, "heartbeat.ts", "Unix seconds"),
     ("heartbeat-ts-minus-1e18", _set("heartbeat.ts", -1e18), 422, "heartbeat.ts", "Unix seconds"),

@@ -23,6 +23,7 @@ MAX_AGENT_VERSION_CHARS = 64
 MAX_STEP = 2**62  # steps and counters must fit a signed 64-bit column with room to spare
 EVENT_KINDS = frozenset({"nonfinite", "phase_start", "phase_end", "note", "session_end"})
 
+MAX_WORLD_SIZE = 131_072  # ranks in one run (8x Llama 3's 16,384 GPUs); a batch declaring more: 422
 # Event time in Unix seconds: from 1970 to the last second a datetime holds (9999-12-31T23:59:59 UTC).
 MIN_TS = 0.0
 MAX_TS = 253_402_300_799.0

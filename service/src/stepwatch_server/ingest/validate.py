@@ -28,6 +28,7 @@ from stepwatch_server.ingest.schema import (
     MAX_STEP,
     MAX_TS,
     MAX_VALUES_PER_BATCH,
+    MAX_WORLD_SIZE,
     MIN_TS,
     NAME_RE,
     RUN_RE,
@@ -390,8 +391,8 @@ def parse_batch(doc: Any) -> Batch:
     if SESSION_RE.fullmatch(session) is None:
         raise _fail("session", f"invalid session id {session!r}: use 8-64 characters of A-Za-z0-9_-")
     seq = _int(doc["seq"], "seq", 0)
-    world_size = _int(doc["world_size"], "world_size", 1, 10_000_000)
-    rank = _int(doc["rank"], "rank", 0, 10_000_000)
+    world_size = _int(doc["world_size"], "world_size", 1, MAX_WORLD_SIZE)
+    rank = _int(doc["rank"], "rank", 0, MAX_WORLD_SIZE - 1)
     if rank >= world_size:
         raise _fail("rank", f"must be < world_size ({world_size}), got {rank}")
     local_rank = _optional_int(doc, "local_rank", 0, None)
