@@ -183,13 +183,18 @@ def test_fork_leaves_the_parent_intact(receiver: Receiver, fast: dict[str, Any])
     if pid == 0:  # child (a DataLoader worker, say): hooks and methods are silent no-ops
         code = 0
         try:
+            hooks = watch._hooks
+            assert hooks is not None
+            step, pending = hooks._step, len(hooks._pending)
             train(model, opt, 3)
+            if (hooks._step, len(hooks._pending)) != (step, pending):
+                code = 2  # the hooks ran in the child: steps counted and queued for a sender it lacks
             watch.log(loss=1.0)
             with watch.phase("eval"):
                 pass
             watch.close(timeout_s=0.2)
         except BaseException:
-            code = 1
+            code = code or 1
         os._exit(code)
     deadline = time.monotonic() + 20
     status = None

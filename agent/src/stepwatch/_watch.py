@@ -41,6 +41,7 @@ def _disable_in_child() -> None:
     # and its locks are the parent's. The child's copy of each watch goes quiet and never touches them.
     for watch in list(_LIVE):
         watch._forked = True
+        watch._guard.disable_all()  # the hooks too: a child that trains must not queue steps for it
 
 
 def _register_process_hooks() -> None:
