@@ -84,3 +84,29 @@ def test_a_bad_query_parameter_is_an_invalid_parameter_not_an_invalid_batch(coll
     assert response.status_code == 422
     assert response.json()["error"]["code"] == "invalid_parameter"
     assert response.json()["error"]["field"] == "status"
+
+
+def test_the_readme_limits_table_states_the_enforced_limits() -> None:
+    """The README's limits table says what the code enforces (a change to a limit must change both)."""
+    from stepwatch_server.ingest import schema
+    from stepwatch_server.settings import MAX_BATCH_BYTES
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme[readme.index("| limit | value | beyond it |") :].split("\n\n", 1)[0]
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in table.splitlines()[2:]}
+    assert rows["batch size, on the wire and after gunzip"] == f"{MAX_BATCH_BYTES // 2**20} MiB"
+    values = rows["values in one batch (scalars, tensor statistics, fingerprints, events)"]
+    assert values == f"{schema.MAX_VALUES_PER_BATCH:,}"
+    assert rows["world size (ranks in a run)"] == f"{schema.MAX_WORLD_SIZE:,}"
+    assert rows["step"] == "0 to 2^62" and schema.MAX_STEP == 2**62
+    assert rows["one event's `data`"].startswith(
+        f"{schema.MAX_EVENT_DATA_BYTES // 1024} KiB as JSON, nested at most {schema.MAX_EVENT_DATA_DEPTH} deep"
+    )
+    assert (
+        rows["heartbeat stack"]
+        == f"{schema.MAX_STACK_FRAMES} frames of 1-{schema.MAX_FRAME_CHARS} characters"
+    )
+    assert (
+        schema.MAX_TS == 253_402_300_799.0
+        and "end of 9999" in rows[next(k for k in rows if "timestamps" in k)]
+    )
