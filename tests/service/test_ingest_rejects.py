@@ -218,6 +218,33 @@ RAW_CASES = [
         "truncated",
     ),
     ("brotli", b"{}", {"Content-Encoding": "br"}, 415, "unsupported_media_type", "'br' is not supported"),
+    # A key given twice was taken with its last value (the run could be swapped after a glance at the first).
+    (
+        "duplicate-top-key",
+        orjson.dumps(make_batch())[:-1] + b', "run": "other"}',
+        {},
+        422,
+        "invalid_field",
+        "'run' twice",
+    ),
+    (
+        "duplicate-metric",
+        orjson.dumps(make_batch()).replace(b'"metrics":{', b'"metrics":{"loss":[1.0,2.0,3.0],', 1),
+        {},
+        422,
+        "invalid_field",
+        "'loss' twice",
+    ),
+    (
+        "duplicate-in-event-data",
+        orjson.dumps(make_batch()).replace(
+            b'"data":{"phase":"eval"}', b'"data":{"phase":"eval","phase":"x"}', 1
+        ),
+        {},
+        422,
+        "invalid_field",
+        "'phase' twice",
+    ),
     (
         "over-16MiB-after-gunzip",
         gzip.compress(b" " * (MAX_BATCH_BYTES + 1)),
@@ -313,3 +340,27 @@ def test_an_error_never_echoes_a_huge_input_back(populated: Collector) -> None:
     error = response.json()["error"]
     assert error["field"].startswith("metrics.mmmm") and len(error["field"]) <= 300
     assert "characters" in error["message"] and len(error["message"]) <= 1_000
+
+
+def test_a_key_given_twice_in_a_large_body_is_found_too() -> None:
+    """Bodies over 64 KiB are checked by counting keys as written and as kept; a duplicate anywhere is
+    still refused, and a body whose counts differ for another reason (an object deep in an array) is
+    parsed again and accepted."""
+    from stepwatch_server.errors import InvalidBatch
+    from stepwatch_server.ingest.body import EXACT_DUPLICATE_CHECK_BYTES, decode_body
+
+    column = [float(i) for i in range(5_000)]
+    big = {"schema": 1, "metrics": {f"m{i}": column for i in range(4)}, "events": [{"data": {"a": 1}}]}
+    raw = orjson.dumps(big)
+    assert len(raw) > EXACT_DUPLICATE_CHECK_BYTES
+    assert decode_body(raw, None, MAX_BATCH_BYTES) == big
+    twice = raw.replace(b'"metrics":{', b'"metrics":{"m3":[1.0],', 1)
+    with pytest.raises(InvalidBatch, match="'m3' twice"):
+        decode_body(twice, None, MAX_BATCH_BYTES)
+    deep = raw.replace(b'"events":[', b'"events":[1,{"data":{"x":1,"x":2}},', 1)  # behind a number
+    with pytest.raises(InvalidBatch, match="'x' twice"):
+        decode_body(deep, None, MAX_BATCH_BYTES)
+    odd = raw.replace(b'"events":[', b'"events":[1,{"data":{"x":1,"y":2}},', 1)  # counts differ, no duplicate
+    assert decode_body(odd, None, MAX_BATCH_BYTES)["events"][1] == {"data": {"x": 1, "y": 2}}
+    tricky = raw.replace(b'"schema":1', b'"schema":1,"s":"a\\":b\\":"', 1)  # '":' inside a string value
+    assert decode_body(tricky, None, MAX_BATCH_BYTES)["s"] == 'a":b":'

@@ -7,14 +7,17 @@ gigabytes (a gzip bomb) costs at most the limit in memory before it is refused.
 
 from __future__ import annotations
 
+import json
+import re
 import zlib
 from typing import Any
 
 import orjson
 
-from stepwatch_server.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
+from stepwatch_server.errors import BadRequest, InvalidBatch, PayloadTooLarge, UnsupportedMediaType
 
 _GZIP_WBITS = 16 + zlib.MAX_WBITS
+EXACT_DUPLICATE_CHECK_BYTES = 64 * 1024
 
 
 def _too_large(limit: int, where: str) -> PayloadTooLarge:
@@ -61,7 +64,7 @@ def decode_body(raw: bytes, content_encoding: str | None, limit: int) -> Any:
     if len(data) > limit:
         raise _too_large(limit, "of JSON")
     try:
-        return orjson.loads(data)
+        doc = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
         try:
             data.decode("utf-8")
@@ -70,3 +73,48 @@ def decode_body(raw: bytes, content_encoding: str | None, limit: int) -> Any:
                 f"the body is not valid UTF-8 (invalid byte at offset {uexc.start})", code="invalid_encoding"
             ) from None
         raise BadRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    # A key given twice: 422. A small body is parsed again keeping every key (~20 us for an agent's
+    # batch); a large one has its keys counted as written and as kept (~4 ms for 7 MB, against ~100 ms
+    # for a second parse) and is parsed again only where the counts differ.
+    if len(data) <= EXACT_DUPLICATE_CHECK_BYTES or _keys_written(data) != _keys_kept(doc):
+        _refuse_duplicate_keys(data)
+    return doc
+
+
+# A key as written: a JSON string followed by a colon (a string value is followed by , ] or } instead).
+_KEY = re.compile(rb'"(?:[^"\\]|\\.)*"\s*:')
+
+
+def _keys_written(data: bytes) -> int:
+    return len(_KEY.findall(data))
+
+
+def _keys_kept(doc: Any) -> int:
+    """Keys in the parsed document's objects: fewer than written when a key was given twice (the
+    parser keeps the last). Arrays are walked only where they start with an object or an array, so a
+    column of a million numbers costs nothing; an object further in is not counted, which makes the
+    counts differ and sends the body to the exact check."""
+    count, todo = 0, [doc]
+    while todo:
+        item = todo.pop()
+        if type(item) is dict:
+            count += len(item)
+            todo.extend(v for v in item.values() if type(v) in (dict, list))
+        elif type(item) is list and item and type(item[0]) in (dict, list):
+            todo.extend(v for v in item if type(v) in (dict, list))
+    return count
+
+
+def _refuse_duplicate_keys(data: bytes) -> None:
+    """Parse again, keeping every key: 422 naming the first key given twice (the collector never
+    picks one of two values silently)."""
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for key, value in items:
+            if key in seen:
+                raise InvalidBatch(f"{key!r} twice in one object: give each key once", field=None)
+            seen[key] = value
+        return seen
+
+    json.loads(data, object_pairs_hook=pairs)
