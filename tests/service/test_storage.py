@@ -110,3 +110,37 @@ def test_constraint_names_follow_the_convention(table: str) -> None:
     t = Base.metadata.tables[table]
     assert t.primary_key.name == f"pk_{table}"
     assert all(fk.name and fk.name.startswith(f"fk_{table}_") for fk in t.foreign_key_constraints)
+
+
+def test_two_thousand_short_runs_keep_the_per_run_caches_bounded(tmp_path: Path) -> None:
+    """The writer's series ids grew with every run ever written (issue 14: memory never dropped); it
+    keeps the MAX_CACHED_RUNS most recently written runs, and the detection engine its MAX_RUNS, and a
+    run evicted from the cache still writes to its own series when it comes back."""
+    from stepwatch_server.detect.engine import MAX_RUNS, DetectionEngine
+    from stepwatch_server.ingest.store import MAX_CACHED_RUNS
+
+    engine = make_engine(f"sqlite:///{tmp_path / 'runs.db'}")
+    try:
+        upgrade(engine)
+        writer, detection = BatchWriter(engine), DetectionEngine()
+        for i in range(2_000):
+            batch = parse_batch(steps_batch(f"short-{i}", uuid.uuid4().hex, 0, [1, 2], loss=[1.0, 0.9]))
+            writer.write(batch)
+            detection.feed(batch)
+        assert len(writer.series_ids) == MAX_CACHED_RUNS < 2_000
+        assert len(detection.runs) == MAX_RUNS < 2_000
+        again = parse_batch(steps_batch("short-0", uuid.uuid4().hex, 0, [3], loss=[0.8]))
+        assert writer.write(again).rows == 1
+        with engine.connect() as conn:
+            from stepwatch_server.storage.models import Run, Series
+
+            series = (
+                conn.execute(
+                    select(Series.id).join(Run, Run.id == Series.run_id).where(Run.name == "short-0")
+                )
+                .scalars()
+                .all()
+            )
+        assert len(series) == 1  # the same series, found again in the database, not a second one
+    finally:
+        engine.dispose()

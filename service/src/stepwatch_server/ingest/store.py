@@ -9,6 +9,7 @@ through a per-run dictionary that is cached in memory once committed.
 
 from __future__ import annotations
 
+import collections
 import datetime as dt
 import logging
 import random
@@ -42,6 +43,39 @@ from stepwatch_server.storage.models import (
 log = logging.getLogger(__name__)
 
 MAX_WRITE_ATTEMPTS = 5  # concurrent first batches of a run/rank/session race on unique keys; retry
+MAX_CACHED_RUNS = 256  # runs whose series ids are kept in memory (most recently written first)
+
+
+class SeriesIds:
+    """Series ids by run, for the MAX_CACHED_RUNS runs written most recently: memory bounded by what is
+    active, not by every run the collector ever saw (a run evicted reads its ids again from the
+    database on its next batch). Thread-safe."""
+
+    def __init__(self, max_runs: int = MAX_CACHED_RUNS) -> None:
+        self.max_runs = max_runs
+        self._runs: collections.OrderedDict[int, dict[tuple[str, str], int]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def of_run(self, run_id: int) -> dict[tuple[str, str], int]:
+        """The run's known ids (a copy: read while other threads add)."""
+        with self._lock:
+            known = self._runs.get(run_id)
+            if known is None:
+                return {}
+            self._runs.move_to_end(run_id)
+            return dict(known)
+
+    def add(self, run_id: int, ids: Mapping[tuple[str, str], int]) -> None:
+        with self._lock:
+            self._runs.setdefault(run_id, {}).update(ids)
+            self._runs.move_to_end(run_id)
+            while len(self._runs) > self.max_runs:
+                self._runs.popitem(last=False)
+
+
 RUN_TOUCH_INTERVAL_S = 5.0  # runs.last_seen_at is refreshed at most this often (it is a hot row)
 
 _STEPS: Table = StepRecord.__table__  # type: ignore[assignment]
@@ -145,8 +179,7 @@ class BatchWriter:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._series_ids: dict[tuple[int, str, str], int] = {}
-        self._cache_lock = threading.Lock()
+        self.series_ids = SeriesIds()
 
     def write(self, batch: Batch) -> IngestResult:
         """Store `batch` (or recognise it as a duplicate) and return the answer's numbers.
@@ -155,7 +188,7 @@ class BatchWriter:
         already used by another run or rank.
         """
         for attempt in range(1, MAX_WRITE_ATTEMPTS + 1):
-            new_series: dict[tuple[int, str, str], int] = {}
+            new_series: dict[tuple[str, str], int] = {}
             try:
                 with write_transaction(self.engine) as conn:
                     result = self._write(conn, batch, new_series)
@@ -168,16 +201,13 @@ class BatchWriter:
                 time.sleep(random.uniform(0.0, 0.01 * attempt))
                 continue
             if new_series:  # cached only once committed
-                with self._cache_lock:
-                    self._series_ids.update(new_series)
+                self.series_ids.add(result.run_id, new_series)
             return result
         raise AssertionError("unreachable")
 
     # -- inside the transaction -------------------------------------------------------------
 
-    def _write(
-        self, conn: Connection, batch: Batch, new_series: dict[tuple[int, str, str], int]
-    ) -> IngestResult:
+    def _write(self, conn: Connection, batch: Batch, new_series: dict[tuple[str, str], int]) -> IngestResult:
         now = _utcnow()
         run_id = self._run_id(conn, batch, now)
         incarnation, new_session = self._session(conn, batch, run_id, now)
@@ -329,14 +359,15 @@ class BatchWriter:
         return incarnation, True
 
     def _series(
-        self, conn: Connection, run_id: int, batch: Batch, new_series: dict[tuple[int, str, str], int]
+        self, conn: Connection, run_id: int, batch: Batch, new_series: dict[tuple[str, str], int]
     ) -> dict[tuple[str, str], int]:
         wanted = [(METRIC_STAT, name) for name in batch.metrics]
         wanted += [(stat, name) for stat, cols in batch.tensors.items() for name in cols]
         ids: dict[tuple[str, str], int] = {}
         missing: list[tuple[str, str]] = []
+        known = self.series_ids.of_run(run_id)
         for key in wanted:
-            sid = self._series_ids.get((run_id, *key))
+            sid = known.get(key)
             if sid is None:
                 missing.append(key)
             else:
@@ -354,7 +385,7 @@ class BatchWriter:
                 )
                 for stat, name, sid in found:
                     ids[(stat, name)] = sid
-                    new_series[(run_id, stat, name)] = sid
+                    new_series[(stat, name)] = sid
         return ids
 
     def _rank(self, conn: Connection, batch: Batch, run_id: int, incarnation: int, now: dt.datetime) -> None:
