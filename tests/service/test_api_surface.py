@@ -14,7 +14,7 @@ import pytest
 import stepwatch_server
 from stepwatch_server.ingest.example import EXAMPLE_BATCH
 from stepwatch_server.ingest.validate import parse_batch
-from tests.service.conftest import Collector
+from tests.service.conftest import Collector, make_batch
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "ingest.md"
 
@@ -110,3 +110,26 @@ def test_the_readme_limits_table_states_the_enforced_limits() -> None:
         schema.MAX_TS == 253_402_300_799.0
         and "end of 9999" in rows[next(k for k in rows if "timestamps" in k)]
     )
+
+
+def test_a_database_that_is_down_is_a_503_with_retry_after_and_healthz_says_so() -> None:
+    """With its PostgreSQL unreachable (a closed port) the collector answered a plain-text 500: now
+    ingest is a 503 in the error shape with Retry-After (the agent backs off and spools), and /healthz
+    is 503 as well."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again below: nothing listens there
+    collector = Collector(
+        f"postgresql+psycopg://stepwatch@127.0.0.1:{port}/test", run_migrations=False, detection=False
+    )
+    try:
+        response = collector.post(make_batch())
+        assert response.status_code == 503, response.text
+        assert response.headers["Retry-After"] == "5"
+        error = response.json()["error"]
+        assert error["code"] == "unavailable" and "retry later" in error["message"]
+        assert collector.http.get("/healthz").status_code == 503
+    finally:
+        collector.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import re
 
+import sqlalchemy.exc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -82,6 +83,7 @@ class ServiceUnavailable(ApiError):
     code = "unavailable"
 
 
+DATABASE_RETRY_AFTER_S = 5  # Retry-After of a 503 for an unavailable database
 MAX_FIELD_CHARS = 300  # an error's `field`, cut beyond this
 MAX_MESSAGE_CHARS = 1_000  # its `message`
 _LONG_WORD = re.compile(r"\S{121,}")  # an echoed value (a name, a string) too long to quote whole
@@ -132,6 +134,14 @@ async def _query_error(request: Request, exc: Exception) -> Response:
     return _render(422, "invalid_parameter", field, message)
 
 
+async def _database_unavailable(request: Request, exc: Exception) -> Response:
+    """The database refused or lost the connection, is full or read-only: nothing was stored, and a
+    retry later can work. 503 with Retry-After, so the agent backs off and spools instead of dropping."""
+    log.warning("database unavailable on %s %s: %s", request.method, request.url.path, type(exc).__name__)
+    message = f"the database is unavailable ({type(exc).__name__}); nothing was stored, retry later"
+    return _render(503, "unavailable", None, message, {"Retry-After": str(DATABASE_RETRY_AFTER_S)})
+
+
 async def _unexpected(request: Request, exc: Exception) -> Response:
     """Anything else is a bug of ours: 500 in the same shape, the details in the server's log (never in
     the answer), so that a client's error path handles it like any other."""
@@ -145,4 +155,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _query_error)
+    app.add_exception_handler(sqlalchemy.exc.OperationalError, _database_unavailable)
+    app.add_exception_handler(sqlalchemy.exc.TimeoutError, _database_unavailable)  # no pooled connection
     app.add_exception_handler(Exception, _unexpected)
