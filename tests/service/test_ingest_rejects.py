@@ -363,4 +363,7 @@ def test_a_key_given_twice_in_a_large_body_is_found_too() -> None:
     odd = raw.replace(b'"events":[', b'"events":[1,{"data":{"x":1,"y":2}},', 1)  # counts differ, no duplicate
     assert decode_body(odd, None, MAX_BATCH_BYTES)["events"][1] == {"data": {"x": 1, "y": 2}}
     tricky = raw.replace(b'"schema":1', b'"schema":1,"s":"a\\":b\\":"', 1)  # '":' inside a string value
+    deep = b'{"a":' + b"[" * 1_010 + b"]" * 1_010 + b"}"  # orjson parses it; the second parse cannot
+    with pytest.raises(InvalidBatch, match="too deeply"):
+        decode_body(deep, None, MAX_BATCH_BYTES)
     assert decode_body(tricky, None, MAX_BATCH_BYTES)["s"] == 'a":b":'

@@ -117,4 +117,7 @@ def _refuse_duplicate_keys(data: bytes) -> None:
             seen[key] = value
         return seen
 
-    json.loads(data, object_pairs_hook=pairs)
+    try:
+        json.loads(data, object_pairs_hook=pairs)
+    except RecursionError:  # orjson takes 1,024 levels, this parser ~1,000: no batch nests like that
+        raise InvalidBatch("the body nests objects and arrays too deeply", field=None) from None
