@@ -444,18 +444,23 @@ def test_a_bare_module_as_the_model_and_odd_module_names_send_batches_the_collec
     distinct from the others, so the collector's own validator accepts every batch."""
     validate_batch = require_module("stepwatch_server.ingest.validate").parse_batch
 
-    bare = nn.Linear(4, 4)
-    opt = torch.optim.SGD(bare.parameters(), lr=0.01)
-    watch = stepwatch.attach(bare, opt, run="bare-linear", url=receiver.url, **fast)
-    for _ in range(20):
-        bare(torch.randn(2, 4)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-    watch.close(timeout_s=5)
-    batches = receiver.accepted()
-    for batch in batches:
-        validate(batch)
-        validate_batch(batch)
+    def train(model: nn.Module, run: str, steps: int) -> list[dict[str, Any]]:
+        """Train `model` for `steps` steps under the agent; the batches it sent, each checked against
+        the contract and the collector's own validator."""
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        watch = stepwatch.attach(model, opt, run=run, url=receiver.url, **fast)
+        for _ in range(steps):
+            model(torch.randn(2, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        watch.close(timeout_s=5)
+        batches = receiver.accepted()
+        for batch in batches:
+            validate(batch)
+            validate_batch(batch)
+        return batches
+
+    batches = train(nn.Linear(4, 4), "bare-linear", 20)
     assert receiver.steps() == list(range(1, 21))
     sampled = [b for b in batches if "tensors" in b]
     assert sampled and all(set(b["tensors"]["stats"]["amax"]) == {"model"} for b in sampled)
@@ -477,18 +482,7 @@ def test_a_bare_module_as_the_model_and_odd_module_names_send_batches_the_collec
                 x = block(x)
             return x
 
-    net = Net()
-    opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    watch = stepwatch.attach(net, opt, run="odd-names", url=receiver.url, **fast)
-    for _ in range(10):
-        net(torch.randn(2, 4)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-    watch.close(timeout_s=5)
-    batches = receiver.accepted()
-    for batch in batches:
-        validate(batch)
-        validate_batch(batch)
+    batches = train(Net(), "odd-names", 10)
     sampled = [b for b in batches if "tensors" in b]
     amax_names = list(sampled[0]["tensors"]["stats"]["amax"])
     grad_names = list(sampled[0]["tensors"]["stats"]["grad_norm"])

@@ -73,9 +73,10 @@ class Sender:
         self._next_heartbeat = now  # the first heartbeat announces the rank at once
         self._next_replay = now
         self._replay_attempt = 0
-        self._rejections_logged = False
         self._said: set[str] = set()  # what was logged once already
-        self._failures: dict[str, int] = {}  # spooled batch -> answered failures so far
+        # Answered failures of the spool's oldest batch (the only one replay tries), by its name: a count
+        # for one batch, so one the spool's bound deletes leaves nothing behind.
+        self._failing, self._failures = "", 0
         self.quarantine = Quarantine(spool.directory / QUARANTINE, counters, guard)
         self.left_steps = 0
 
@@ -254,12 +255,13 @@ class Sender:
             result = self._transport.post_once(body, min(self.config.timeout_s, timeout))
             if result.outcome is Outcome.UNAVAILABLE:
                 self._note(result)
-                failures = self._failures[name] = self._failures.get(name, 0) + result.server_error
-                if failures < MAX_ANSWERED_FAILURES:
+                if name != self._failing:
+                    self._failing, self._failures = name, 0
+                self._failures += result.server_error
+                if self._failures < MAX_ANSWERED_FAILURES:
                     self._defer(result)
                     return
             self.spool.remove(name)
-            self._failures.pop(name, None)
             self._replay_attempt = 0
             if result.outcome is Outcome.SENT:
                 self.counters.add("replayed_batches")
@@ -292,14 +294,12 @@ class Sender:
 
     def _rejected(self, result: Result) -> None:
         self.counters.add("rejected_batches")
-        if not self._rejections_logged:
-            self._rejections_logged = True
-            logger.error(
-                "stepwatch: the collector rejected a batch (%s); such batches are not retried: they are "
-                "set aside in %s (logged once)",
-                result.message,
-                self.quarantine.directory,
-            )
+        self._say(
+            "rejected",
+            "stepwatch: the collector rejected a batch (%s); such batches are not retried: they are "
+            "set aside in %s (logged once)",
+            result.message, self.quarantine.directory,
+        )  # fmt: skip
 
     def _set_aside(self, name: str, body: bytes, result: Result) -> None:
         """Quarantine a batch the collector will not take, so that the ones behind it go on."""
