@@ -126,13 +126,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(metrics_router)  # GET /metrics (Prometheus)
     app.include_router(alerts_router)
 
-    @app.get("/healthz", tags=["health"], summary="The collector is up and its database answers")
+    @app.get(
+        "/healthz", tags=["health"], summary="The collector is up and its database answers and takes writes"
+    )
     def healthz(request: Request) -> Response:
         try:
             with request.app.state.engine.connect() as conn:
                 conn.execute(text("SELECT 1"))
         except Exception as exc:
             raise ServiceUnavailable(f"database unreachable: {type(exc).__name__}", field=None) from exc
+        problem = request.app.state.writer.health.problem()
+        if problem is not None:  # reads work on a full disk; the last write told us
+            raise ServiceUnavailable(problem, field=None)
         return json_response({"status": "ok", "database": request.app.state.engine.dialect.name})
 
     return app

@@ -14,10 +14,16 @@ from stepwatch_server.settings import Settings
 
 log = logging.getLogger("stepwatch_server")
 STARTUP_TIMEOUT_S = 60.0
+# At SIGTERM, requests in flight get this long to finish (one stuck on a database that hangs must not hold
+# the stop); then the lifespan stops the workers, each within its own deadline of 5 s (README, "The collector").
+GRACEFUL_SHUTDOWN_S = 5
 
 
 def _config(settings: Settings, host: str, port: int) -> uvicorn.Config:
-    return uvicorn.Config(create_app(settings), host=host, port=port, log_level="warning", access_log=False)
+    return uvicorn.Config(
+        create_app(settings), host=host, port=port, log_level="warning", access_log=False,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )  # fmt: skip
 
 
 class _Server(uvicorn.Server):

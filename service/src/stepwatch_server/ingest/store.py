@@ -23,7 +23,8 @@ import numpy as np
 from sqlalchemy import Connection, Engine, Insert, Table, func, select, tuple_, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import TimeoutError as DatabaseTimeout
 
 from stepwatch_server.errors import InvalidBatch
 from stepwatch_server.ingest.schema import Batch, Column
@@ -39,6 +40,7 @@ from stepwatch_server.storage.models import (
     Series,
     StepRecord,
 )
+from stepwatch_server.storage.write_health import WriteHealth
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +182,7 @@ class BatchWriter:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.series_ids = SeriesIds()
+        self.health = WriteHealth()  # /healthz reports a write that failed (a full disk answers SELECT 1)
 
     def write(self, batch: Batch) -> IngestResult:
         """Store `batch` (or recognise it as a duplicate) and return the answer's numbers.
@@ -200,6 +203,10 @@ class BatchWriter:
                 log.debug("ingest race on a unique key (attempt %d); retrying", attempt)
                 time.sleep(random.uniform(0.0, 0.01 * attempt))
                 continue
+            except (OperationalError, DatabaseTimeout) as exc:  # gone, full, read-only: a 503 (errors.py)
+                self.health.failed(exc)
+                raise
+            self.health.stored()
             if new_series:  # cached only once committed
                 self.series_ids.add(result.run_id, new_series)
             return result
