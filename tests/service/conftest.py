@@ -22,7 +22,7 @@ from stepwatch_server.ingest.example import EXAMPLE_BATCH
 from stepwatch_server.serving import BackgroundServer
 from stepwatch_server.settings import Settings
 from stepwatch_server.storage.models import ALL_TABLES
-from tests.conftest import POSTGRES_URL, port_open, require
+from tests.conftest import POSTGRES_URL, port_open, require, require_module
 
 BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 
@@ -121,6 +121,34 @@ def start_collector(database_url: str) -> Iterator[Callable[..., Collector]]:
 @pytest.fixture
 def collector(start_collector: Callable[..., Collector]) -> Collector:
     return start_collector()
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def populated(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Collector]:
+    """One collector per backend for a whole module, already holding the docs' example batch (so that
+    "unchanged" is not trivially true, and the run's routes have a run to answer about)."""
+    with fresh_database(str(request.param), tmp_path_factory.mktemp("db")) as url:
+        collector = Collector(url)
+        try:
+            assert collector.post(make_batch()).status_code == 200
+            yield collector
+        finally:
+            collector.close()
+
+
+def generated(max_examples: int) -> Any:
+    """Hypothesis settings for a test against a real collector: a bounded number of examples, the same
+    ones on every run (derandomized: CI stays reproducible), no deadline (the machine is shared)."""
+    hypothesis = require_module("hypothesis")
+    return hypothesis.settings(
+        max_examples=max_examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(hypothesis.HealthCheck),
+    )
 
 
 def make_batch(**overrides: Any) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gzip
 import uuid
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -14,21 +14,7 @@ import pytest
 from stepwatch_server.errors import PayloadTooLarge
 from stepwatch_server.ingest.body import gunzip_bounded
 from stepwatch_server.settings import MAX_BATCH_BYTES
-from tests.service.conftest import BACKENDS, Collector, fresh_database, make_batch
-
-
-@pytest.fixture(scope="module", params=BACKENDS)
-def populated(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Collector]:
-    """One collector per backend that already holds a batch, so 'unchanged' is not trivially true."""
-    with fresh_database(str(request.param), tmp_path_factory.mktemp("db")) as url:
-        collector = Collector(url)
-        try:
-            assert collector.post(make_batch()).status_code == 200
-            yield collector
-        finally:
-            collector.close()
+from tests.service.conftest import Collector, make_batch
 
 
 def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
