@@ -86,6 +86,26 @@ def test_a_bad_query_parameter_is_an_invalid_parameter_not_an_invalid_batch(coll
     assert response.json()["error"]["field"] == "status"
 
 
+def test_a_nul_or_an_out_of_range_number_in_a_parameter_is_a_422_naming_it_on_both_databases(
+    populated: Collector,
+) -> None:
+    """PostgreSQL cannot take a NUL in a string, nor a step past 64 bits: each was a 500 (found by
+    tests/service/test_openapi_conformance.py)."""
+    run = EXAMPLE_BATCH["run"]
+    for path, params, field in (
+        (f"/api/v1/runs/{run}/tensors", {"name": "fc\x001"}, "name"),
+        ("/api/v1/alerts", {"channel": "\x00"}, "channel"),
+        ("/api/v1/runs/a%00b", {}, "run"),
+        (f"/api/v1/runs/{run}/fingerprints", {"from_step": str(2**70)}, "from_step"),
+        (f"/api/v1/runs/{run}/events", {"rank": str(2**33)}, "rank"),
+        (f"/api/v1/runs/{run}/series", {"metric": "loss", "rank": "1" * 12}, "rank"),
+    ):
+        response = populated.http.get(path, params=params)
+        assert response.status_code == 422, (path, params, response.text)
+        error = response.json()["error"]
+        assert error["code"] == "invalid_parameter" and error["field"] == field, (path, error)
+
+
 def test_the_readme_limits_table_states_the_enforced_limits() -> None:
     """The README's limits table says what the code enforces (a change to a limit must change both)."""
     from stepwatch_server.ingest import schema

@@ -16,8 +16,10 @@ import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator
+from typing import Literal
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
+from pydantic import BaseModel
 from sqlalchemy import text
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
@@ -28,10 +30,11 @@ from stepwatch_server.dashboard.routes import router as dashboard_router
 from stepwatch_server.detect.engine import EngineSettings
 from stepwatch_server.detect.routes import router as detect_router
 from stepwatch_server.detect.worker import DetectionWorker
-from stepwatch_server.errors import ServiceUnavailable, install_error_handlers
+from stepwatch_server.errors import COMMON_ERRORS, ServiceUnavailable, install_error_handlers
 from stepwatch_server.ingest.routes import router as ingest_router
 from stepwatch_server.ingest.store import BatchWriter
 from stepwatch_server.metrics import router as metrics_router
+from stepwatch_server.params import no_nul_in_parameters
 from stepwatch_server.responses import json_response
 from stepwatch_server.runs.rollup_worker import RollupWorker
 from stepwatch_server.runs.routes import router as runs_router
@@ -41,6 +44,11 @@ from stepwatch_server.web import live, pages
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
+
+
+class HealthzAnswer(BaseModel):
+    status: Literal["ok"]
+    database: str  # the dialect: sqlite or postgresql
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -95,6 +103,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version=VERSION,
         summary="Ingest, storage and read API for training-run health.",
         lifespan=lifespan,
+        responses=COMMON_ERRORS,
+        dependencies=[Depends(no_nul_in_parameters)],
         openapi_tags=[
             {"name": "ingest", "description": "Batches from agents (docs/ingest.md)."},
             {"name": "runs", "description": "Reading runs, ranks and series back."},
@@ -127,7 +137,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(alerts_router)
 
     @app.get(
-        "/healthz", tags=["health"], summary="The collector is up and its database answers and takes writes"
+        "/healthz",
+        tags=["health"],
+        summary="The collector is up, its database answers and took the last write",
+        responses={200: {"model": HealthzAnswer}},
     )
     def healthz(request: Request) -> Response:
         try:

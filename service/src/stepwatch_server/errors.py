@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 
 import sqlalchemy.exc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
@@ -82,6 +84,33 @@ class ServiceUnavailable(ApiError):
     status = 503
     code = "unavailable"
 
+
+class ErrorDetail(BaseModel):
+    code: str
+    field: str | None
+    message: str
+
+
+class ErrorAnswer(BaseModel):
+    """Every error answer (OpenAPI)."""
+
+    error: ErrorDetail
+
+
+def _documented(description: str) -> dict[str, Any]:
+    return {"model": ErrorAnswer, "description": description}
+
+
+# Documented on every route (FastAPI(responses=...)): what any of them can answer besides its own 200.
+COMMON_ERRORS: dict[int | str, dict[str, Any]] = {
+    422: _documented("A parameter or field is invalid: `field` and `message` say which and why."),
+    500: _documented("A bug of ours (`internal_error`): the collector's log has the details."),
+    503: _documented("The database is down, full or read-only (`unavailable`), with `Retry-After`."),
+}
+# Documented on the routes of one run (`/runs/{run}/...`).
+RUN_NOT_FOUND: dict[int | str, dict[str, Any]] = {
+    404: _documented("No such run, or no such metric or module in it (`not_found`).")
+}
 
 DATABASE_RETRY_AFTER_S = 5  # Retry-After of a 503 for an unavailable database
 MAX_FIELD_CHARS = 300  # an error's `field`, cut beyond this

@@ -7,13 +7,16 @@ both ways (docs/ingest.md). orjson would write them as null, so float arrays go 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import orjson
 from starlette.responses import Response
 
 _ORJSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
+
+# A number in an answer, as documented (OpenAPI): finite as a JSON number, the others as strings, a gap as null.
+Num = float | Literal["NaN", "Infinity", "-Infinity"] | None
 
 
 class OrjsonResponse(Response):

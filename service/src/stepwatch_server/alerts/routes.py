@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query, Request
 from sqlalchemy import func, select
 from starlette.responses import Response
 
+from stepwatch_server.alerts.answers import AlertsAnswer
 from stepwatch_server.errors import InvalidParameter
 from stepwatch_server.responses import json_response
 from stepwatch_server.runs.routes import Conn
@@ -20,11 +21,17 @@ STATUSES = ("pending", "delivered", "failed")
 MAX_DELIVERIES = 1000
 
 
-@router.get("/alerts", summary="Alert deliveries, most recent first: status, attempts, last error")
+@router.get(
+    "/alerts",
+    summary="Alert deliveries, most recent first: status, attempts, last error",
+    responses={200: {"model": AlertsAnswer}},
+)
 def alert_log(
     request: Request,
     conn: Conn,
-    status: Annotated[str | None, Query(description=", ".join(STATUSES))] = None,
+    status: Annotated[
+        str | None, Query(description=", ".join(STATUSES), json_schema_extra={"enum": list(STATUSES)})
+    ] = None,
     channel: Annotated[str | None, Query(description="a channel name of the configuration")] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_DELIVERIES)] = 100,
 ) -> Response:

@@ -11,6 +11,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from starlette.responses import Response
 
+from stepwatch_server.dashboard import answers
 from stepwatch_server.dashboard.heatmap import (
     DEFAULT_BUCKETS,
     MAX_BUCKETS,
@@ -20,7 +21,7 @@ from stepwatch_server.dashboard.heatmap import (
 )
 from stepwatch_server.dashboard.summary import runs_overview
 from stepwatch_server.detect.detectors.fp8_overflow import E4M3_MAX, E5M2_MAX
-from stepwatch_server.errors import InvalidBatch, NotFound
+from stepwatch_server.errors import RUN_NOT_FOUND, InvalidBatch, NotFound
 from stepwatch_server.responses import float_list, json_response
 from stepwatch_server.runs import queries, rank_rollups, step_rollups
 from stepwatch_server.runs.downsample import DEFAULT_MAX_POINTS, downsample
@@ -30,7 +31,11 @@ from stepwatch_server.storage.models import METRIC_STAT
 router = APIRouter(prefix="/api/v1", tags=["dashboard"])
 
 
-@router.get("/dashboard/runs", summary="Every run with its verdict, progress, step rate, open anomalies")
+@router.get(
+    "/dashboard/runs",
+    summary="Every run with its verdict, progress, step rate, open anomalies",
+    responses={200: {"model": answers.DashboardRunsAnswer}},
+)
 def dashboard_runs(conn: Conn) -> Response:
     return json_response({"runs": runs_overview(conn)})
 
@@ -38,13 +43,14 @@ def dashboard_runs(conn: Conn) -> Response:
 @router.get(
     "/runs/{run:path}/heatmap",
     summary="A metric as ranks x step buckets, relative to the cross-rank median (or absolute)",
+    responses={**RUN_NOT_FOUND, 200: {"model": answers.HeatmapAnswer}},
 )
 def get_heatmap(
     run: str,
     conn: Conn,
     metric: Annotated[str, Query(min_length=1, max_length=200, description="e.g. time.forward_ms")],
     mode: Annotated[str, Query(description="median: each cell / the bucket's cross-rank median; "
-                               "absolute: each cell's maximum")] = "median",
+                               "absolute: each cell's maximum", json_schema_extra={"enum": list(MODES)})] = "median",
     buckets: Annotated[int, Query(ge=1, le=MAX_BUCKETS, description="step buckets (columns)")] = DEFAULT_BUCKETS,
     from_step: FromStep = None,
     to_step: ToStep = None,
@@ -68,7 +74,9 @@ def get_heatmap(
 
 
 @router.get(
-    "/runs/{run:path}/amax", summary="Each tracked module's amax, max over ranks, with the FP8 limits"
+    "/runs/{run:path}/amax",
+    summary="Each tracked module's amax, max over ranks, with the FP8 limits",
+    responses={**RUN_NOT_FOUND, 200: {"model": answers.AmaxAnswer}},
 )
 def get_amax(
     run: str,

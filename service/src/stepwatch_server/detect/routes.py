@@ -21,8 +21,9 @@ from fastapi import APIRouter, Query, Request
 from sqlalchemy import Connection, select
 from starlette.responses import Response
 
+from stepwatch_server.detect import answers
 from stepwatch_server.detect.anomalies import KINDS, SEVERITIES
-from stepwatch_server.errors import InvalidParameter
+from stepwatch_server.errors import RUN_NOT_FOUND, InvalidParameter
 from stepwatch_server.responses import json_response, nonfinite_name
 from stepwatch_server.runs import queries
 from stepwatch_server.runs.routes import Conn
@@ -36,8 +37,13 @@ VERDICTS = ("ok", "warning", "critical")
 MAX_ANOMALIES = 10_000
 DEFAULT_ANOMALIES = 1000
 
-StatusParam = Annotated[str | None, Query(description="open or resolved (default: both)")]
-KindParam = Annotated[str | None, Query(description=", ".join(KINDS))]
+StatusParam = Annotated[
+    str | None,
+    Query(description="open or resolved (default: both)", json_schema_extra={"enum": list(STATUSES)}),
+]
+KindParam = Annotated[
+    str | None, Query(description=", ".join(KINDS), json_schema_extra={"enum": list(KINDS)})
+]
 Limit = Annotated[int, Query(ge=1, le=MAX_ANOMALIES, description="most recent first")]
 
 
@@ -89,7 +95,11 @@ def _select(run_id: int | None, status: str | None, kind: str | None, limit: int
     return stmt.order_by(AnomalyRow.last_ts.desc(), AnomalyRow.id.desc()).limit(limit)
 
 
-@router.get("/runs/{run:path}/anomalies", summary="A run's anomalies, most recent first")
+@router.get(
+    "/runs/{run:path}/anomalies",
+    summary="A run's anomalies, most recent first",
+    responses={**RUN_NOT_FOUND, 200: {"model": answers.RunAnomaliesAnswer}},
+)
 def run_anomalies(
     run: str,
     conn: Conn,
@@ -103,7 +113,11 @@ def run_anomalies(
     return json_response({"run": found.name, "anomalies": [_shape(r, r.run_name) for r in rows]})
 
 
-@router.get("/anomalies", summary="Anomalies across runs (e.g. ?status=open), most recent first")
+@router.get(
+    "/anomalies",
+    summary="Anomalies across runs (e.g. ?status=open), most recent first",
+    responses={200: {"model": answers.AnomaliesAnswer}},
+)
 def all_anomalies(
     conn: Conn, status: StatusParam = None, kind: KindParam = None, limit: Limit = DEFAULT_ANOMALIES
 ) -> Response:
@@ -165,12 +179,20 @@ def health(conn: Connection, run: str) -> dict[str, Any]:
     }
 
 
-@router.get("/runs/{run:path}/health", summary="Verdict (ok / warning / critical) per run and per rank")
+@router.get(
+    "/runs/{run:path}/health",
+    summary="Verdict (ok / warning / critical) per run and per rank",
+    responses={**RUN_NOT_FOUND, 200: {"model": answers.HealthAnswer}},
+)
 def run_health(run: str, conn: Conn) -> Response:
     return json_response(health(conn, run))
 
 
-@router.get("/detection", summary="The detection worker: queue, throughput, drops, latency")
+@router.get(
+    "/detection",
+    summary="The detection worker: queue, throughput, drops, latency",
+    responses={200: {"model": answers.DetectionAnswer}},
+)
 def detection_stats(request: Request) -> Response:
     worker = request.app.state.detection
     return json_response(worker.stats() if worker is not None else {"enabled": False})

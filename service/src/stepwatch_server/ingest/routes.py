@@ -10,15 +10,25 @@ from __future__ import annotations
 
 import hmac
 import time
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
-from stepwatch_server.errors import BadRequest, PayloadTooLarge, Unauthorized
+from stepwatch_server.errors import BadRequest, ErrorAnswer, PayloadTooLarge, Unauthorized
 from stepwatch_server.ingest.body import decode_body
 from stepwatch_server.ingest.example import EXAMPLE_BATCH
-from stepwatch_server.ingest.schema import Batch
+from stepwatch_server.ingest.schema import (
+    MAX_NODE_CHARS,
+    MAX_STEP,
+    MAX_WORLD_SIZE,
+    RUN_RE,
+    SCHEMA_VERSIONS,
+    SESSION_RE,
+    Batch,
+)
 from stepwatch_server.ingest.store import BatchWriter, IngestResult
 from stepwatch_server.ingest.validate import parse_batch
 from stepwatch_server.metrics import counts_rejections, ingest_accepted
@@ -27,17 +37,46 @@ from stepwatch_server.settings import Settings
 
 router = APIRouter(prefix="/api/v1", tags=["ingest"])
 
-_ERROR_SCHEMA = {
+
+class IngestAnswer(BaseModel):
+    """The acknowledgement: the only answer an agent counts as delivered."""
+
+    accepted: Literal[True]
+    rows: int  # values stored; 0 for a batch sent again
+    duplicates: int  # values already stored from an earlier copy of the batch
+    incarnation: int | None
+
+
+_STEP = {"type": "integer", "minimum": 0, "maximum": MAX_STEP}
+_INDEX = {"type": "integer", "minimum": 0}
+_VALUE = {"anyOf": [{"type": "number"}, {"enum": ["NaN", "Infinity", "-Infinity"]}, {"type": "null"}]}
+_COLUMNS = {"type": "object", "additionalProperties": {"type": "array", "items": _VALUE}}
+# The batch's fields and their types (docs/ingest.md). Rules across fields are not expressible here and are
+# checked by the collector (422): every column as long as its steps, steps strictly increasing, rank <
+# world_size, the limits of README "Security and limits".
+_BATCH_SCHEMA = {
     "type": "object",
+    "required": ["schema", "run", "session", "seq", "rank", "world_size", "steps", "timestamps"],
     "properties": {
-        "error": {
-            "type": "object",
-            "properties": {
-                "code": {"type": "string"},
-                "field": {"type": ["string", "null"]},
-                "message": {"type": "string"},
-            },
-        }
+        "schema": {"enum": list(SCHEMA_VERSIONS)},
+        "run": {"type": "string", "pattern": f"^{RUN_RE.pattern}$"},
+        "session": {"type": "string", "pattern": f"^{SESSION_RE.pattern}$"},
+        "seq": _STEP,
+        "rank": _INDEX,
+        "local_rank": _INDEX,
+        "world_size": {"type": "integer", "minimum": 1, "maximum": MAX_WORLD_SIZE},
+        "node": {"type": "string", "maxLength": MAX_NODE_CHARS},
+        "replica_group": _INDEX,
+        "shard": _INDEX,
+        "num_shards": {"type": "integer", "minimum": 1},
+        "agent": {"type": "object"},
+        "steps": {"type": "array", "items": _STEP},
+        "timestamps": {"type": "array", "items": {"type": "number"}},
+        "metrics": _COLUMNS,
+        "tensors": {"type": "object", "properties": {"steps": {"type": "array", "items": _STEP}}},
+        "fingerprints": {"type": "object"},
+        "events": {"type": "array", "items": {"type": "object"}},
+        "heartbeat": {"type": "object"},
     },
 }
 _OPENAPI = {
@@ -45,28 +84,18 @@ _OPENAPI = {
         "required": True,
         "description": "One batch: the records of one rank for some steps, as columns (docs/ingest.md). "
         "`Content-Encoding: gzip` accepted; at most 16 MiB on the wire and after decompression.",
-        "content": {"application/json": {"schema": {"type": "object"}, "example": EXAMPLE_BATCH}},
+        "content": {"application/json": {"schema": _BATCH_SCHEMA, "example": EXAMPLE_BATCH}},
     },
-    "responses": {
-        "200": {
-            "description": "Committed (or recognised as a duplicate).",
-            "content": {
-                "application/json": {
-                    "example": {"accepted": True, "rows": 20, "duplicates": 0, "incarnation": 1}
-                }
-            },
-        },
-        **{
-            code: {"description": what, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
-            for code, what in (
-                ("400", "Not gzip, not UTF-8 or not JSON."),
-                ("401", "Token missing or wrong."),
-                ("413", "Over the size limit."),
-                ("415", "Unsupported Content-Encoding."),
-                ("422", "A field is invalid; `field` and `message` say which and why."),
-            )
-        },
-    },
+}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorAnswer, "description": what}
+    for code, what in (
+        (400, "Not gzip, not UTF-8 or not JSON."),
+        (401, "Token missing or wrong."),
+        (413, "Over the size limit."),
+        (415, "Unsupported Content-Encoding."),
+        (422, "A field is invalid; `field` and `message` say which and why."),
+    )
 }
 
 
@@ -122,7 +151,15 @@ def _ingest_sync(
     return batch, writer.write(batch)
 
 
-@router.post("/ingest", summary="Ingest one batch (one rank, many steps)", openapi_extra=_OPENAPI)
+@router.post(
+    "/ingest",
+    summary="Ingest one batch (one rank, many steps)",
+    responses={
+        200: {"model": IngestAnswer, "description": "Committed (or recognised as a duplicate)."},
+        **_ERRORS,
+    },
+    openapi_extra=_OPENAPI,
+)
 @counts_rejections
 async def ingest(request: Request) -> Response:
     started = time.perf_counter()

@@ -42,6 +42,12 @@ def build_registry(request: Request) -> CollectorRegistry:
     "/metrics",
     summary="Prometheus metrics: the collector's own and each recent run's health",
     response_class=Response,
+    responses={
+        200: {
+            "description": "The Prometheus text exposition format (version 0.0.4).",
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+        }
+    },
 )
 def metrics(request: Request) -> Response:
     registry = getattr(request.app.state, "metrics_registry", None)

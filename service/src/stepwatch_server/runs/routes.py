@@ -15,10 +15,10 @@ from fastapi import APIRouter, Depends, Query, Request
 from sqlalchemy import Connection
 from starlette.responses import Response
 
-from stepwatch_server.errors import InvalidParameter, NotFound
-from stepwatch_server.ingest.schema import EVENT_KINDS
+from stepwatch_server.errors import RUN_NOT_FOUND, InvalidParameter, NotFound
+from stepwatch_server.ingest.schema import EVENT_KINDS, MAX_STEP, MAX_WORLD_SIZE
 from stepwatch_server.responses import float_list, json_response
-from stepwatch_server.runs import queries, step_rollups
+from stepwatch_server.runs import answers, queries, step_rollups
 from stepwatch_server.runs.downsample import DEFAULT_MAX_POINTS, MAX_POINTS_CAP, downsample
 from stepwatch_server.storage.models import METRIC_STAT
 
@@ -33,15 +33,21 @@ def connection(request: Request) -> Iterator[Connection]:
 
 
 Conn = Annotated[Connection, Depends(connection)]
-FromStep = Annotated[int | None, Query(ge=0, description="first step (inclusive)")]
-ToStep = Annotated[int | None, Query(ge=0, description="last step (inclusive)")]
+FromStep = Annotated[int | None, Query(ge=0, le=MAX_STEP, description="first step (inclusive)")]
+ToStep = Annotated[int | None, Query(ge=0, le=MAX_STEP, description="last step (inclusive)")]
 MaxPoints = Annotated[int, Query(ge=2, le=MAX_POINTS_CAP, description="per series; min-max downsampling")]
+RankNumber = Annotated[int | None, Query(ge=0, lt=MAX_WORLD_SIZE, description="one rank")]
+_RANK_DIGITS = "[0-9]{1,6}"  # a rank is below MAX_WORLD_SIZE (131,072)
 RankParam = Annotated[
     str,
     Query(
         description="a rank number, `all` (each rank), `mean` (over ranks per step), or `global` (metric "
-        "grad_norm only: the model's norm, the shards' `grad_sumsq` combined per step)"
+        "grad_norm only: the model's norm, the shards' `grad_sumsq` combined per step)",
+        pattern=f"^(all|mean|global|{_RANK_DIGITS})$",
     ),
+]
+RankOrAll = Annotated[
+    str, Query(description="a rank number or `all` (each rank)", pattern=f"^(all|{_RANK_DIGITS})$")
 ]
 GLOBAL_METRICS = ("grad_norm",)
 
@@ -52,7 +58,7 @@ def _rank_filter(rank: str, allow_mean: bool = True) -> tuple[int | None, bool]:
         return None, False
     if rank == "mean" and allow_mean:
         return None, True
-    if rank.isdigit():
+    if rank.isdigit() and len(rank) <= 6:  # a rank the run does not have reads nothing
         return int(rank), False
     choices = "a rank number, 'all' or 'mean'" if allow_mean else "a rank number or 'all'"
     raise InvalidParameter(f"rank: expected {choices}, got {rank!r}", field="rank")
@@ -71,12 +77,18 @@ def _shape(
     return out
 
 
-@router.get("/runs", summary="All runs, most recently seen first")
+@router.get(
+    "/runs", summary="All runs, most recently seen first", responses={200: {"model": answers.RunsAnswer}}
+)
 def list_runs(conn: Conn) -> Response:
     return json_response({"runs": queries.run_summaries(conn)})
 
 
-@router.get("/runs/{run:path}/ranks", summary="Per-rank state: node, progress, heartbeat, step time")
+@router.get(
+    "/runs/{run:path}/ranks",
+    summary="Per-rank state: node, progress, heartbeat, step time",
+    responses={**RUN_NOT_FOUND, 200: {"model": answers.RanksAnswer}},
+)
 def list_ranks(run: str, conn: Conn) -> Response:
     found = queries.find_run(conn, run)
     return json_response(
@@ -84,7 +96,11 @@ def list_ranks(run: str, conn: Conn) -> Response:
     )
 
 
-@router.get("/runs/{run:path}/series", summary="A metric per rank (downsampled, extremes kept)")
+@router.get(
+    "/runs/{run:path}/series",
+    summary="A metric per rank (downsampled, extremes kept)",
+    responses={**RUN_NOT_FOUND, 200: {"model": answers.SeriesAnswer}},
+)
 def get_series(
     run: str,
     conn: Conn,
@@ -146,13 +162,17 @@ def _global_norm(
     return json_response({"metric": metric, "series": shaped})
 
 
-@router.get("/runs/{run:path}/tensors", summary="Per-module statistics (amax, grad_norm) per rank")
+@router.get(
+    "/runs/{run:path}/tensors",
+    summary="Per-module statistics (amax, grad_norm) per rank",
+    responses={**RUN_NOT_FOUND, 200: {"model": answers.TensorsAnswer}},
+)
 def get_tensors(
     run: str,
     conn: Conn,
     stat: Annotated[str, Query(min_length=1, max_length=64, description="amax or grad_norm")] = "amax",
     name: Annotated[str | None, Query(max_length=200, description="module/parameter; omitted: all")] = None,
-    rank: RankParam = "all",
+    rank: RankOrAll = "all",
     from_step: FromStep = None,
     to_step: ToStep = None,
     max_points: MaxPoints = DEFAULT_MAX_POINTS,
@@ -166,11 +186,15 @@ def get_tensors(
     return json_response({"stat": stat, "series": _shape(series, max_points, names=ids)})
 
 
-@router.get("/runs/{run:path}/steps", summary="When each rank finished each step (Unix seconds)")
+@router.get(
+    "/runs/{run:path}/steps",
+    summary="When each rank finished each step (Unix seconds)",
+    responses={**RUN_NOT_FOUND, 200: {"model": answers.StepsAnswer}},
+)
 def get_steps(
     run: str,
     conn: Conn,
-    rank: RankParam = "all",
+    rank: RankOrAll = "all",
     from_step: FromStep = None,
     to_step: ToStep = None,
     max_points: MaxPoints = DEFAULT_MAX_POINTS,
@@ -186,20 +210,26 @@ def get_steps(
     return json_response({"series": out})
 
 
-@router.get("/runs/{run:path}/fingerprints", summary="Parameter fingerprints per rank")
+@router.get(
+    "/runs/{run:path}/fingerprints",
+    summary="Parameter fingerprints per rank",
+    responses={**RUN_NOT_FOUND, 200: {"model": answers.FingerprintsAnswer}},
+)
 def get_fingerprints(run: str, conn: Conn, from_step: FromStep = None, to_step: ToStep = None) -> Response:
     found = queries.find_run(conn, run)
     return json_response({"series": queries.read_fingerprints(conn, found.id, from_step, to_step)})
 
 
 @router.get(
-    "/runs/{run:path}/events", summary="Events (nonfinite, phase_start, phase_end, note, session_end)"
+    "/runs/{run:path}/events",
+    summary="Events (nonfinite, phase_start, phase_end, note, session_end)",
+    responses={**RUN_NOT_FOUND, 200: {"model": answers.EventsAnswer}},
 )
 def get_events(
     run: str,
     conn: Conn,
     kind: Annotated[str | None, Query(description=", ".join(sorted(EVENT_KINDS)))] = None,
-    rank: Annotated[int | None, Query(ge=0)] = None,
+    rank: RankNumber = None,
     from_step: FromStep = None,
     to_step: ToStep = None,
     limit: Annotated[int, Query(ge=1, le=MAX_EVENTS)] = 1000,
@@ -210,7 +240,11 @@ def get_events(
     )
 
 
-@router.get("/runs/{run:path}", summary="One run: summary, metric and tensor names, restarts")
+@router.get(
+    "/runs/{run:path}",
+    summary="One run: summary, metric and tensor names, restarts",
+    responses={**RUN_NOT_FOUND, 200: {"model": answers.RunAnswer}},
+)
 def get_run(run: str, conn: Conn) -> Response:
     found = queries.find_run(conn, run)
     summary = queries.run_summaries(conn, found.id)[0]

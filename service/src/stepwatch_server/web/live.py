@@ -111,6 +111,7 @@ async def _stream(feed: LiveFeed, run: str | None, request: Request) -> AsyncIte
     "/stream",
     summary="Server-sent events: `runs` with the overview rows of the runs that changed",
     response_class=StreamingResponse,
+    responses={200: {"description": "An endless event stream.", "content": {"text/event-stream": {}}}},
 )
 async def stream(
     request: Request,

@@ -1,0 +1,47 @@
+"""The shapes of the dashboard API's answers, for the OpenAPI document (as runs/answers.py)."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from pydantic import BaseModel
+
+from stepwatch_server.detect.answers import Verdict
+from stepwatch_server.responses import Num
+from stepwatch_server.runs.answers import RunSummary
+
+
+class DashboardRun(RunSummary):
+    verdict: Verdict
+    open_anomalies: int
+    anomalies: int
+    anomalies_updated_at: dt.datetime | None
+    step_rate: float | None
+    live: bool
+
+
+class DashboardRunsAnswer(BaseModel):
+    runs: list[DashboardRun]
+
+
+class HeatmapAnswer(BaseModel):
+    metric: str
+    mode: str
+    ranks: list[int]
+    steps: list[int]
+    bucket_steps: int
+    values: list[list[float | None]]  # ranks x buckets; null where a rank has no value in a bucket
+    median: list[float | None]
+
+
+class ModuleAmax(BaseModel):
+    name: str
+    steps: list[int]
+    values: list[Num]
+    latest: float | None
+
+
+class AmaxAnswer(BaseModel):
+    e4m3_max: float
+    e5m2_max: float
+    modules: list[ModuleAmax]
