@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import logging
 import os
 import socket
 import threading
@@ -306,6 +307,33 @@ def test_a_redirect_keeps_the_batches_and_is_said_once(
     said = [r.getMessage() for r in stepwatch_log.records if "redirect" in r.getMessage()]
     assert len(said) == 1 and target in said[0] and "301" in said[0]
     assert watch.stats()["rejected_batches"] == 0
+
+
+@pytest.mark.parametrize(
+    ("status", "fix"),
+    [(404, "base address"), (405, "base address"), (401, "STEPWATCH_TOKEN"), (403, "STEPWATCH_TOKEN")],
+)
+def test_a_wrong_url_or_token_keeps_every_batch_says_the_fix_once_and_all_arrive_once_fixed(
+    receiver: Receiver, fast: dict[str, Any], stepwatch_log: Any, status: int, fix: str
+) -> None:
+    """A 404 from a wrong URL (or a 401/403 for the token) refuses every batch alike: not the batch's fault,
+    so nothing is set aside or dropped; the batches wait in the spool and arrive once the set-up is right."""
+    error = {"error": {"code": "x", "field": None, "message": "refused"}}
+    receiver.respond = lambda batch, headers: (status, {}, error)
+    model, opt = make_model()
+    watch = stepwatch.attach(model, opt, run=f"set-up-{status}", url=receiver.url, **fast)
+    train(model, opt, 30)
+    with watch.phase("idle"):
+        assert receiver.wait_for(lambda: watch.stats()["spooled_batches"] >= 1, 10)
+        receiver.respond = lambda batch, headers: None  # the set-up is fixed
+        assert receiver.wait_for(lambda: receiver.steps() == list(range(1, 31)), 15)
+    watch.close(timeout_s=5)
+    stats = watch.stats()
+    assert stats["rejected_batches"] == 0 and stats["quarantined_batches"] == 0 and stats["retries"] == 0
+    said = [r for r in stepwatch_log.records if str(status) in r.getMessage() and fix in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno >= logging.WARNING, [
+        r.getMessage() for r in stepwatch_log.records
+    ]
 
 
 def test_a_batch_that_always_gets_a_500_is_set_aside_and_the_rest_arrive(

@@ -313,9 +313,25 @@ class Sender:
             )  # fmt: skip
 
     def _note(self, result: Result) -> None:
-        """Say once what no retry will fix by itself: a redirect, or a 2xx that is no acknowledgement."""
+        """Say once what no retry will fix by itself: a redirect, a 2xx that is no acknowledgement, a wrong
+        URL or token."""
         status = result.status
-        if status is not None and 300 <= status < 400:
+        if status in (404, 405):
+            self._say(
+                "url",
+                "stepwatch: %s answers %s: url (or STEPWATCH_URL) must be the collector's base address, e.g. "
+                "http://host:8000 (the agent adds /api/v1/ingest). Batches wait in the spool until it is "
+                "fixed (logged once)",
+                self.config.ingest_url, result.message,
+            )  # fmt: skip
+        elif status in (401, 403):
+            self._say(
+                "token",
+                "stepwatch: the collector refuses the token for run %r (%s): set token (or STEPWATCH_TOKEN) to "
+                "one that may write this run. Batches wait in the spool until it is fixed (logged once)",
+                self.config.run, result.message,
+            )  # fmt: skip
+        elif status is not None and 300 <= status < 400:
             self._say(
                 "redirect",
                 "stepwatch: the collector at %s answers %d, a redirect to %s; stepwatch does not follow "

@@ -16,6 +16,9 @@ from urllib.parse import urlsplit
 from ._guard import Counters
 
 RETRY_STATUSES = frozenset({408, 429, 502, 503, 504})
+# Answers that refuse every batch alike: the token (401, 403) or the URL (404, 405) is wrong, not the batch.
+# The batches wait in the spool for the set-up to be fixed; nothing is set aside.
+SET_UP_STATUSES = frozenset({401, 403, 404, 405})
 BACKOFF_BASE_S = 0.25
 MAX_BACKOFF_S = 30.0
 MAX_RETRY_AFTER_S = 300.0
@@ -24,8 +27,9 @@ MAX_ANSWER_BYTES = 64 * 1024
 
 class Outcome(enum.Enum):
     SENT = "sent"  # 2xx with the documented acknowledgement: the collector has the batch
-    REJECTED = "rejected"  # a 4xx other than 408/429: the batch is bad or unauthorised; never retried
-    # Down, overloaded, timed out, a 5xx, a redirect or a 2xx that is no acknowledgement: keep the batch.
+    REJECTED = "rejected"  # a 4xx about the batch (400, 413, 415, 422, ...): never retried, set aside
+    # Down, overloaded, timed out, a 5xx, a redirect, a 2xx that is no acknowledgement, or a wrong token or
+    # URL (SET_UP_STATUSES): keep the batch.
     UNAVAILABLE = "unavailable"
 
 
@@ -169,7 +173,7 @@ class Transport:
                 if 300 <= status < 400:
                     where = answer.getheader("Location")
                     return Result(Outcome.UNAVAILABLE, status, f"{status} redirect to {where}", None, where)
-                if status in RETRY_STATUSES or status >= 500:
+                if status in RETRY_STATUSES or status >= 500 or status in SET_UP_STATUSES:
                     return Result(
                         Outcome.UNAVAILABLE,
                         status,
