@@ -103,6 +103,24 @@ def test_alerts_test_sends_a_real_signed_message(
     assert done.returncode == 1 and "HTTP 403" in done.stderr
 
 
+def test_alerts_test_needs_only_the_secret_of_the_channel_it_tests(
+    tmp_path: Path, receiver: Receiver, secrets: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Setting up channels one at a time: the Slack URL is not exported yet, the webhook can be tested."""
+    monkeypatch.delenv("SW_TEST_SLACK_URL")
+    path = write_config(tmp_path, config_text(receiver))
+    done = run_cli("alerts", "test", "--channel", "pager", "--alerts", str(path))
+    assert done.returncode == 0, done.stderr
+    assert len(receiver.on("/hook")) == 1
+    done = run_cli("alerts", "test", "--channel", "team", "--alerts", str(path))  # this one needs its own
+    assert (
+        done.returncode == 2
+        and "channels.team.url_env: environment variable SW_TEST_SLACK_URL" in done.stderr
+    )
+    with pytest.raises(AlertsConfigError, match="SW_TEST_SLACK_URL"):  # serving still needs every channel's
+        load_config(path)
+
+
 def test_the_public_surface_is_honest() -> None:
     import stepwatch_server.alerts as alerts
 

@@ -116,7 +116,7 @@ def _alerts_test(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        config = load_config(path)
+        config = load_config(path, only_channel=args.channel)  # the other channels' secrets are not needed
     except AlertsConfigError as exc:
         print(f"stepwatch-server: {exc}", file=sys.stderr)
         return 2

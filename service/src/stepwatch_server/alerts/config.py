@@ -64,8 +64,12 @@ class AlertsConfig:
         return channels_for(self.routes, kind, severity, run)
 
 
-def load_config(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> AlertsConfig:
-    """Read and check the file at `path`; secrets come from `env` (default: os.environ)."""
+def load_config(
+    path: str | os.PathLike[str], env: Mapping[str, str] | None = None, *, only_channel: str | None = None
+) -> AlertsConfig:
+    """Read and check the file at `path`; secrets come from `env` (default: os.environ). With `only_channel`
+    (`alerts test --channel`), the other channels are checked but their secrets are not needed yet: such a
+    configuration can test that channel and nothing else (its other channels have no endpoint)."""
     source = str(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -78,12 +82,18 @@ def load_config(path: str | os.PathLike[str], env: Mapping[str, str] | None = No
         doc, lines = load_with_lines(text, source)
     except YamlError as exc:
         raise AlertsConfigError(str(exc)) from None
-    return _Checker(source, lines, os.environ if env is None else env).config(doc)
+    return _Checker(source, lines, os.environ if env is None else env, only_channel).config(doc)
 
 
 class _Checker:
-    def __init__(self, source: str, lines: dict[tuple[str | int, ...], int], env: Mapping[str, str]) -> None:
-        self.source, self.lines, self.env = source, lines, env
+    def __init__(
+        self,
+        source: str,
+        lines: dict[tuple[str | int, ...], int],
+        env: Mapping[str, str],
+        only_channel: str | None = None,
+    ) -> None:
+        self.source, self.lines, self.env, self.only_channel = source, lines, env, only_channel
 
     def fail(self, path: tuple[str | int, ...], problem: str) -> AlertsConfigError:
         line = self.lines.get(path)
@@ -166,7 +176,10 @@ class _Checker:
                 raise self.fail(
                     (*path, "max_per_minute"), f"expected a whole number >= 1, got {_show(limit)}"
                 )
-            url, secret = self.endpoint(spec, path, kind)
+            if self.only_channel in (None, name):
+                url, secret = self.endpoint(spec, path, kind)
+            else:
+                url, secret = "", None  # not the channel under test: its secrets are not read
             out[name] = Channel(name, kind, url, secret, limit, self.lines.get(path, 0))
         return out
 
