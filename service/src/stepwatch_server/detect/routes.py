@@ -17,10 +17,11 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from sqlalchemy import Connection, select
 from starlette.responses import Response
 
+from stepwatch_server.auth import ReadAccess, read_every_run
 from stepwatch_server.detect.anomalies import KINDS, SEVERITIES
 from stepwatch_server.errors import InvalidParameter
 from stepwatch_server.responses import json_response, nonfinite_name
@@ -78,8 +79,11 @@ def _shape(row: Any, run: str) -> dict[str, Any]:
     }
 
 
-def _select(run_id: int | None, status: str | None, kind: str | None, limit: int) -> Any:
+def _select(run_id: int | None, status: str | None, kind: str | None, limit: int, runs: Any = None) -> Any:
+    """`runs`: a WHERE clause on the run's name (a reader's scope), or None for every run."""
     stmt = select(*AnomalyRow.__table__.c, Run.name.label("run_name")).join(Run, Run.id == AnomalyRow.run_id)
+    if runs is not None:
+        stmt = stmt.where(runs)
     if run_id is not None:
         stmt = stmt.where(AnomalyRow.run_id == run_id)
     if status is not None:
@@ -105,10 +109,14 @@ def run_anomalies(
 
 @router.get("/anomalies", summary="Anomalies across runs (e.g. ?status=open), most recent first")
 def all_anomalies(
-    conn: Conn, status: StatusParam = None, kind: KindParam = None, limit: Limit = DEFAULT_ANOMALIES
+    conn: Conn,
+    reader: ReadAccess,
+    status: StatusParam = None,
+    kind: KindParam = None,
+    limit: Limit = DEFAULT_ANOMALIES,
 ) -> Response:
     status, kind = _choice("status", status, STATUSES), _choice("kind", kind, KINDS)
-    rows = conn.execute(_select(None, status, kind, limit)).all()
+    rows = conn.execute(_select(None, status, kind, limit, reader.runs_clause(Run.name))).all()
     return json_response({"anomalies": [_shape(r, r.run_name) for r in rows]})
 
 
@@ -170,7 +178,11 @@ def run_health(run: str, conn: Conn) -> Response:
     return json_response(health(conn, run))
 
 
-@router.get("/detection", summary="The detection worker: queue, throughput, drops, latency")
+@router.get(
+    "/detection",
+    summary="The detection worker: queue, throughput, drops, latency",
+    dependencies=[Depends(read_every_run)],
+)
 def detection_stats(request: Request) -> Response:
     worker = request.app.state.detection
     return json_response(worker.stats() if worker is not None else {"enabled": False})

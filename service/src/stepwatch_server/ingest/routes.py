@@ -1,21 +1,22 @@
 """`POST /api/v1/ingest` (docs/ingest.md).
 
-The event loop only checks the token and streams the body in under the size limit; decompression,
-parsing, validation and the database transaction run in the thread pool. The answer is sent after
+The event loop only checks the token (auth/access.py: 401 before the body is read) and streams the
+body in under the size limit; decompression, parsing, validation, the check that the token writes the
+batch's run (403) and the database transaction run in the thread pool. The answer is sent after
 the commit; `_after_commit()` is the single point where stored batches leave ingest (the bus that
 feeds the detectors hooks in there).
 """
 
 from __future__ import annotations
 
-import hmac
 import time
 
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
-from stepwatch_server.errors import BadRequest, PayloadTooLarge, Unauthorized
+from stepwatch_server.auth import Grant, check_write, write_access
+from stepwatch_server.errors import BadRequest, PayloadTooLarge
 from stepwatch_server.ingest.body import decode_body
 from stepwatch_server.ingest.example import EXAMPLE_BATCH
 from stepwatch_server.ingest.schema import Batch
@@ -60,7 +61,8 @@ _OPENAPI = {
             code: {"description": what, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
             for code, what in (
                 ("400", "Not gzip, not UTF-8 or not JSON."),
-                ("401", "Token missing or wrong."),
+                ("401", "Token missing or unknown."),
+                ("403", "The token does not write this run (a read token, or another run prefix)."),
                 ("413", "Over the size limit."),
                 ("415", "Unsupported Content-Encoding."),
                 ("422", "A field is invalid; `field` and `message` say which and why."),
@@ -68,17 +70,6 @@ _OPENAPI = {
         },
     },
 }
-
-
-def check_token(request: Request, token: str | None) -> None:
-    if token is None:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-        raise Unauthorized(
-            "missing or wrong bearer token: send 'Authorization: Bearer <token>'", field="Authorization"
-        )
 
 
 async def read_body_bounded(request: Request, limit: int) -> bytes:
@@ -116,9 +107,10 @@ def _after_commit(request: Request, batch: Batch, result: IngestResult) -> None:
 
 
 def _ingest_sync(
-    writer: BatchWriter, raw: bytes, encoding: str | None, limit: int
+    writer: BatchWriter, grant: Grant | None, raw: bytes, encoding: str | None, limit: int
 ) -> tuple[Batch, IngestResult]:
     batch = parse_batch(decode_body(raw, encoding, limit))
+    check_write(grant, batch.run)  # the run is known only now; nothing is stored yet
     return batch, writer.write(batch)
 
 
@@ -127,11 +119,12 @@ def _ingest_sync(
 async def ingest(request: Request) -> Response:
     started = time.perf_counter()
     settings: Settings = request.app.state.settings
-    check_token(request, settings.token)
+    grant = write_access(request)
     raw = await read_body_bounded(request, settings.max_batch_bytes)
     batch, result = await run_in_threadpool(
         _ingest_sync,
         request.app.state.writer,
+        grant,
         raw,
         request.headers.get("content-encoding"),
         settings.max_batch_bytes,
