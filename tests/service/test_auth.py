@@ -340,3 +340,15 @@ def test_the_readme_tokens_file_example_is_one_the_collector_accepts(tmp_path: P
     team_a, reader = load_tokens(path, env=env)
     assert team_a.writes("team-a/llm") and not team_a.writes("team-b/llm") and team_a.reads("team-a/x")
     assert reader.reads("anything") and not reader.writes("anything")
+
+
+def test_the_log_names_the_tokens_and_never_shows_one(
+    start_collector: Callable[..., Collector], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="stepwatch_server"):
+        collector = start_collector(tokens=_tokens(tmp_path), token="legacy-token-0123456789")
+        assert collector.http.post("/api/v1/login", json={"token": ENV["TOKEN_A_READ"]}).status_code == 204
+        assert _write(collector, "team-b/x", [1.0], "TOKEN_A_WRITE").status_code == 403
+    assert "access: 5 token(s): STEPWATCH_TOKEN (write *); team-a-training (write team-a/*)" in caplog.text
+    assert "login with the token 'team-a-viewer'" in caplog.text
+    assert not any(secret in caplog.text for secret in [*ENV.values(), "legacy-token-0123456789"])
