@@ -241,6 +241,11 @@ def test_login_refuses_an_unknown_token_and_logout_clears_the_cookie(scoped: Col
     assert scoped.http.get("/api/v1/runs").status_code == 200  # the client keeps the cookie
     assert scoped.http.post("/api/v1/logout").status_code == 204
     assert _error(scoped.http.get("/api/v1/runs"), 401)
+    # anyone may send a login, so its body is read bounded and checked like any other
+    huge = scoped.http.post("/api/v1/login", content=b'{"token": "' + b"x" * 100_000 + b'"}')
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == "too_large"
+    assert scoped.http.post("/api/v1/login", content=b"token=x").status_code == 400
+    assert scoped.http.post("/api/v1/login", json={"token": 7}).json()["error"]["field"] == "token"
 
 
 BAD_CONFIGS = [

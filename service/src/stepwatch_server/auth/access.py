@@ -24,19 +24,21 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import APIRouter, Body, Depends, Request
+import orjson
+from fastapi import APIRouter, Depends, Request
 from sqlalchemy import ColumnElement, or_
 from starlette.responses import Response
 
 from stepwatch_server.auth.tokens import Grant, legacy_grant
-from stepwatch_server.errors import Forbidden, Unauthorized
+from stepwatch_server.errors import BadRequest, Forbidden, InvalidBatch, Unauthorized
+from stepwatch_server.ingest.body import read_body_bounded
 
 if TYPE_CHECKING:
     from stepwatch_server.settings import Settings
 
 log = logging.getLogger("stepwatch_server")
 COOKIE = "stepwatch_token"
-MAX_TOKEN_CHARS = 1000
+MAX_LOGIN_BYTES = 4096  # a login body: {"token": ...}; read bounded, since anyone may send one
 
 
 @dataclass(frozen=True)
@@ -190,16 +192,44 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+_LOGIN_BODY = {
+    "required": True,
+    "content": {
+        "application/json": {
+            "schema": {
+                "type": "object",
+                "properties": {"token": {"type": "string", "minLength": 1}},
+                "required": ["token"],
+            }
+        }
+    },
+}
+
+
 @router.post(
     "/login",
     status_code=204,
     summary="The dashboard's login: sets an HttpOnly cookie with a known token, for reads",
-    responses={**_RESPONSES, 401: {"description": "The token is not known to the collector."}},
+    openapi_extra={"requestBody": _LOGIN_BODY},
+    responses={
+        **_RESPONSES,
+        400: {"description": "The body is not JSON."},
+        401: {"description": "The token is not known to the collector."},
+        413: {"description": f"The body is over {MAX_LOGIN_BYTES} bytes."},
+        422: {"description": "No `token` string in the body."},
+    },
 )
-def login(
-    request: Request,
-    token: Annotated[str, Body(embed=True, min_length=1, max_length=MAX_TOKEN_CHARS)],
-) -> Response:
+async def login(request: Request) -> Response:
+    raw = await read_body_bounded(request, MAX_LOGIN_BYTES)
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise BadRequest(
+            'the body is not JSON: send {"token": "..."}', field="body", code="invalid_json"
+        ) from None
+    token = doc.get("token") if isinstance(doc, dict) else None
+    if not isinstance(token, str) or not token:
+        raise InvalidBatch('token: expected a non-empty string, as in {"token": "..."}', field="token")
     grant = _policy(request).identify(token)
     if grant is None:
         raise Unauthorized("this token is not known to the collector: check it and try again", field="token")

@@ -16,8 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from stepwatch_server.auth import Grant, check_write, write_access
-from stepwatch_server.errors import BadRequest, PayloadTooLarge
-from stepwatch_server.ingest.body import decode_body
+from stepwatch_server.ingest.body import decode_body, read_body_bounded
 from stepwatch_server.ingest.example import EXAMPLE_BATCH
 from stepwatch_server.ingest.schema import Batch
 from stepwatch_server.ingest.store import BatchWriter, IngestResult
@@ -70,28 +69,6 @@ _OPENAPI = {
         },
     },
 }
-
-
-async def read_body_bounded(request: Request, limit: int) -> bytes:
-    """The raw body, refused with 413 as soon as it is known to exceed `limit` bytes."""
-    length = request.headers.get("content-length")
-    if length is not None:
-        try:
-            declared = int(length)
-        except ValueError:
-            raise BadRequest("Content-Length is not an integer", field="Content-Length") from None
-        if declared > limit:
-            raise PayloadTooLarge(
-                f"the body is {declared} bytes; the limit is {limit} bytes on the wire", field="body"
-            )
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes on the wire", field="body")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _after_commit(request: Request, batch: Batch, result: IngestResult) -> None:
