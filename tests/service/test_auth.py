@@ -181,9 +181,11 @@ def test_public_read_opens_reads_but_not_writes(
 
 
 def test_the_single_token_writes_and_reads_every_run_as_before(
-    start_collector: Callable[..., Collector],
+    start_collector: Callable[..., Collector], caplog: pytest.LogCaptureFixture
 ) -> None:
-    collector = start_collector(token="s3cret")
+    with caplog.at_level(logging.WARNING, logger="stepwatch_server"):
+        collector = start_collector(token="s3cret")
+    assert "STEPWATCH_TOKEN: under 16 characters, guessable" in caplog.text
     ok = {"Authorization": "Bearer s3cret"}
     batch = steps_batch("any/run", uuid.uuid4().hex, 0, [0, 1], loss=[1.0, 2.0])
     assert _error(collector.post(batch), 401)

@@ -74,7 +74,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 "on" if settings.detection else "off",
             )
             policy: auth.Policy = app.state.policy
-            (log.info if policy.grants else log.warning)("access: %s", policy.describe())
+            (log.warning if policy.weak else log.info)("access: %s", policy.describe())
             yield
         finally:
             feed = getattr(app.state, "live", None)

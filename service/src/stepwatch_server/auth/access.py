@@ -29,7 +29,7 @@ from fastapi import APIRouter, Depends, Request
 from sqlalchemy import ColumnElement, or_
 from starlette.responses import Response
 
-from stepwatch_server.auth.tokens import Grant, legacy_grant
+from stepwatch_server.auth.tokens import MIN_TOKEN_CHARS, Grant, legacy_grant
 from stepwatch_server.errors import BadRequest, Forbidden, InvalidBatch, Unauthorized
 from stepwatch_server.ingest.body import read_body_bounded
 
@@ -65,13 +65,20 @@ class Policy:
                 found = grant
         return found
 
+    @property
+    def weak(self) -> bool:
+        """No token at all, or one short enough to guess (only `--token` can be: the file's are checked)."""
+        return not self.grants or any(len(g.token) < MIN_TOKEN_CHARS for g in self.grants)
+
     def describe(self) -> str:
         """For the start-up log: names and scopes, never a token."""
         if not self.grants:
             return "no tokens: anyone who reaches the collector writes and reads every run"
         listed = "; ".join(f"{g.name} ({g.scope} {g.runs})" for g in self.grants)
         reads = "reads are public (--public-read)" if self.public_read else "reads need a token"
-        return f"{len(self.grants)} token(s): {listed}; {reads}"
+        short = [g.name for g in self.grants if len(g.token) < MIN_TOKEN_CHARS]
+        advice = f"; {', '.join(short)}: under {MIN_TOKEN_CHARS} characters, guessable" if short else ""
+        return f"{len(self.grants)} token(s): {listed}; {reads}{advice}"
 
 
 @dataclass(frozen=True)
