@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -149,6 +151,27 @@ def generated(max_examples: int) -> Any:
         database=None,
         suppress_health_check=list(hypothesis.HealthCheck),
     )
+
+
+STREAM_WAIT_S = 20.0
+
+
+def listen_events(
+    url: str, events: list[dict[str, Any]], done: threading.Event, headers: dict[str, str] | None = None
+) -> None:
+    """Collect the `runs` events of the stream at `url` into `events` until it ends (then set `done`)."""
+    try:
+        with httpx.stream("GET", url, headers=headers, timeout=STREAM_WAIT_S) as response:
+            name = None
+            for line in response.iter_lines():
+                if line.startswith("event: "):
+                    name = line[7:]
+                elif line.startswith("data: ") and name == "runs":
+                    events.append(json.loads(line[6:]))
+    except httpx.HTTPError:
+        pass
+    finally:
+        done.set()
 
 
 def make_batch(**overrides: Any) -> dict[str, Any]:

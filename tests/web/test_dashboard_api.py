@@ -5,19 +5,17 @@ how to build the front end when it is missing."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from stepwatch_server.web import pages
 from tests.detect.service_helpers import batch, session, wait_detected
-from tests.service.conftest import Collector
+from tests.service.conftest import Collector, listen_events
 
 STREAM_WAIT_S = 20.0
 
@@ -71,27 +69,14 @@ def test_heatmap_rejects_a_bad_mode_and_an_unknown_metric(collector: Collector) 
     assert missing.status_code == 404 and missing.json()["error"]["field"] == "metric"
 
 
-def _listen(url: str, events: list[dict[str, Any]], done: threading.Event) -> None:
-    try:
-        with httpx.stream("GET", url, timeout=STREAM_WAIT_S) as response:
-            name = None
-            for line in response.iter_lines():
-                if line.startswith("event: "):
-                    name = line[7:]
-                elif line.startswith("data: ") and name == "runs":
-                    events.append(json.loads(line[6:]))
-    except httpx.HTTPError:
-        pass
-    finally:
-        done.set()
-
-
 def test_stream_sends_new_steps_and_ends_when_the_server_stops(collector: Collector) -> None:
     name = f"live-{uuid.uuid4().hex[:6]}"
     events: list[dict[str, Any]] = []
     done = threading.Event()
     listener = threading.Thread(
-        target=_listen, args=(f"{collector.server.url}/api/v1/stream?run={name}", events, done), daemon=True
+        target=listen_events,
+        args=(f"{collector.server.url}/api/v1/stream?run={name}", events, done),
+        daemon=True,
     )
     listener.start()
     sid = session()

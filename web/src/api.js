@@ -7,6 +7,13 @@ export class ApiError extends Error {
   }
 }
 
+let unauthorized = () => {};
+
+/** What to do when the API answers 401 (tokens are configured and this browser has none): main.js asks. */
+export function onUnauthorized(handler) {
+  unauthorized = handler;
+}
+
 export async function getJson(path, params = {}) {
   const query = new URLSearchParams();
   for (const [k, v] of Object.entries(params)) if (v !== undefined && v !== null) query.set(k, String(v));
@@ -19,6 +26,7 @@ export async function getJson(path, params = {}) {
     } catch {
       /* not JSON: keep the status line */
     }
+    if (response.status === 401) unauthorized();
     throw new ApiError(response.status, message);
   }
   return response.json();

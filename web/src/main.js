@@ -2,6 +2,8 @@
 // navigation without a reload.
 import "uplot/dist/uPlot.min.css";
 import "./style.css";
+import { onUnauthorized } from "./api.js";
+import { askForToken, setUpLogout } from "./login.js";
 import { renderRuns } from "./runs.js";
 import { renderRun } from "./run.js";
 
@@ -27,4 +29,10 @@ document.addEventListener("click", (event) => {
   route();
 });
 window.addEventListener("popstate", route);
+onUnauthorized(() => {
+  teardown(); // stop the view's stream and timers: they would only get 401 again
+  teardown = () => {};
+  askForToken(document.getElementById("main"), route);
+});
+setUpLogout(route);
 route();

@@ -18,12 +18,13 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Literal
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from pydantic import BaseModel
 from sqlalchemy import text
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
+from stepwatch_server import auth
 from stepwatch_server.alerts.routes import router as alerts_router
 from stepwatch_server.alerts.worker import AlertWorker
 from stepwatch_server.dashboard.routes import router as dashboard_router
@@ -80,6 +81,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 engine.url.render_as_string(hide_password=True),
                 "on" if settings.detection else "off",
             )
+            policy: auth.Policy = app.state.policy
+            (log.warning if policy.weak else log.info)("access: %s", policy.describe())
             yield
         finally:
             feed = getattr(app.state, "live", None)
@@ -125,16 +128,26 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.alerts = None
     app.state.rollups = None
     app.state.stopping = threading.Event()  # set by serving.py as shutdown begins: endless responses end
+    app.state.policy = auth.Policy.from_settings(settings)
     install_error_handlers(app)
+
+    # Who may do what (auth/access.py): ingest checks its write token itself, before reading the body
+    # and again on the parsed batch's run; every read router reads through `read_access`, and what
+    # spans every run through `read_every_run`. Public: /healthz, the page and its assets, /docs.
+    def reads(router: APIRouter, *, every_run: bool = False) -> None:
+        check = auth.read_every_run if every_run else auth.read_access
+        app.include_router(router, dependencies=[Depends(check)], responses=auth.READ_RESPONSES)
+
     app.include_router(ingest_router)
-    app.include_router(detect_router)  # before runs: `/runs/{run:path}` would take `/runs/x/anomalies`
-    app.include_router(dashboard_router)  # before runs, for the same reason
-    app.include_router(live.router)
+    app.include_router(auth.router)  # the dashboard's login: a cookie for reads
+    reads(detect_router)  # before runs: `/runs/{run:path}` would take `/runs/x/anomalies`
+    reads(dashboard_router)  # before runs, for the same reason
+    reads(live.router)
     app.include_router(pages.router)
     pages.mount_static(app)
-    app.include_router(runs_router)
-    app.include_router(metrics_router)  # GET /metrics (Prometheus)
-    app.include_router(alerts_router)
+    reads(runs_router)
+    reads(metrics_router, every_run=True)  # GET /metrics (Prometheus)
+    reads(alerts_router, every_run=True)
 
     @app.get(
         "/healthz",

@@ -30,7 +30,22 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--token",
         default=None,
-        help="require 'Authorization: Bearer TOKEN' on ingest (default $STEPWATCH_TOKEN)",
+        help="one token that writes and reads every run: 'Authorization: Bearer TOKEN' "
+        "(default $STEPWATCH_TOKEN)",
+    )
+    parser.add_argument(
+        "--tokens-file",
+        default=None,
+        metavar="FILE",
+        help="scoped tokens (YAML: read or write, limited to run-name prefixes; README 'Security and "
+        "limits'); default $STEPWATCH_TOKENS_FILE",
+    )
+    parser.add_argument(
+        "--public-read",
+        action="store_true",
+        default=None,
+        help="with tokens configured, let anyone read (API, events, dashboard, /metrics); writes still "
+        "need a token (default $STEPWATCH_PUBLIC_READ)",
     )
     _add_alerts_option(parser)
 
@@ -145,11 +160,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     from stepwatch_server.settings import Settings
 
     try:
-        extra = {}
+        extra: dict[str, object] = {}
         if args.alerts:
             from stepwatch_server.alerts.config import load_config
 
             extra["alerts"] = load_config(args.alerts)
+        if args.tokens_file:
+            from stepwatch_server.auth import load_tokens
+
+            extra["tokens"] = load_tokens(args.tokens_file)
+        if args.public_read:
+            extra["public_read"] = True
         settings = Settings.from_env(database_url=args.database_url, token=args.token, **extra)
     except ValueError as exc:
         print(f"stepwatch-server: {exc}", file=sys.stderr)

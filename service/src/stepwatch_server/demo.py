@@ -126,6 +126,8 @@ def run_demo(
     ):
         print(f"    {base}{path}", flush=True)
     started = time.monotonic()
+    if settings.token:  # the agents in the spawned ranks read it (README, "Security and limits")
+        os.environ["STEPWATCH_TOKEN"] = settings.token
     args: tuple[Any, ...] = (ranks, _free_port(), base, run, steps)
     try:
         mp.spawn(train_rank, args=args, nprocs=ranks, join=True)
@@ -157,9 +159,10 @@ DETECTION_WAIT_S = 120.0  # for the detection worker to catch up after the last 
 class Client:
     """One keep-alive HTTP connection to the collector (stdlib only)."""
 
-    def __init__(self, base: str) -> None:
+    def __init__(self, base: str, token: str | None = None) -> None:
         parsed = urllib.parse.urlsplit(base)
         self._conn = http.client.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port, timeout=60)
+        self._auth = {"Authorization": f"Bearer {token}"} if token else {}  # `--token`: writes and reads
 
     def post_batch(self, doc: dict[str, Any]) -> dict[str, Any]:
         body = gzip.compress(orjson.dumps(doc), compresslevel=1)
@@ -171,6 +174,7 @@ class Client:
 
     def _request(self, method: str, path: str, body: bytes | None, headers: dict[str, str]) -> Any:
         try:
+            headers = {**headers, **self._auth}
             self._conn.request(method, path, body=body, headers=headers)
             response = self._conn.getresponse()
         except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
@@ -259,7 +263,7 @@ def run_inject_demo(
     run = run or f"inject-{label}-{time.strftime('%Y%m%d-%H%M%S')}"
     server = BackgroundServer(settings, host=host, port=port).start()
     base = server.url
-    client = Client(base)
+    client = Client(base, settings.token)
     print(f"stepwatch demo: collector on {base} (database {settings.redacted_database_url})", flush=True)
     print(
         f"stepwatch demo: injecting {', '.join(kinds)}: scenario {scenario.name!r} ({scenario.world_size} "

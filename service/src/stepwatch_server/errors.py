@@ -51,6 +51,13 @@ class Unauthorized(ApiError):
     code = "unauthorized"
 
 
+class Forbidden(ApiError):
+    """A known token whose scope does not cover what was asked; the message says which scope would."""
+
+    status = 403
+    code = "forbidden"
+
+
 class NotFound(ApiError):
     status = 404
     code = "not_found"

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
+from stepwatch_server.auth.tokens import Grant, check_distinct, legacy_grant, load_tokens
 from stepwatch_server.storage.engine import normalise_url
 
 if TYPE_CHECKING:
@@ -26,6 +27,16 @@ def _env_database_url() -> str:
 
 def _env_token() -> str | None:
     return os.environ.get("STEPWATCH_TOKEN") or None
+
+
+def _env_tokens() -> tuple[Grant, ...]:
+    """The tokens file named by STEPWATCH_TOKENS_FILE, checked; () when unset."""
+    path = os.environ.get("STEPWATCH_TOKENS_FILE", "").strip()
+    return load_tokens(path) if path else ()
+
+
+def _env_public_read() -> bool:
+    return os.environ.get("STEPWATCH_PUBLIC_READ", "").strip().lower() in {"1", "true", "yes", "on"}
 
 
 def _env_alerts() -> AlertsConfig | None:
@@ -111,8 +122,11 @@ class Settings:
 
     `database_url` is an SQLAlchemy URL: `sqlite:///path.db` (the embedded default, WAL mode) or
     `postgresql+psycopg://user@host/db` (plain `postgresql://` is accepted and means psycopg 3).
-    When `token` is set, `POST /api/v1/ingest` requires `Authorization: Bearer <token>`.
-    Defaults come from STEPWATCH_DATABASE_URL and STEPWATCH_TOKEN.
+    When `token` is set, `POST /api/v1/ingest` requires `Authorization: Bearer <token>`, and so do
+    reads unless `public_read`: the one token writes and reads every run. `tokens` are scoped tokens
+    (auth/tokens.py: read or write, limited to run names or prefixes), default from the file named by
+    STEPWATCH_TOKENS_FILE; `public_read` (STEPWATCH_PUBLIC_READ=1) lets anyone read while tokens are
+    configured. Defaults come from STEPWATCH_DATABASE_URL and STEPWATCH_TOKEN. `repr` shows no token.
 
     `detection` runs the detectors on every stored batch (docs/detection.md); `detection_overrides`
     changes their settings by name, `{kind: {setting: value}}`. Both default from
@@ -125,7 +139,9 @@ class Settings:
     """
 
     database_url: str = field(default_factory=_env_database_url)
-    token: str | None = field(default_factory=_env_token)
+    token: str | None = field(default_factory=_env_token, repr=False)
+    tokens: tuple[Grant, ...] = field(default_factory=_env_tokens)
+    public_read: bool = field(default_factory=_env_public_read)
     max_batch_bytes: int = MAX_BATCH_BYTES
     run_migrations: bool = True
     detection: bool = field(default_factory=_env_detection)
@@ -164,3 +180,4 @@ class Settings:
         check_detection_overrides(self.detection_overrides)
         if self.token == "":
             object.__setattr__(self, "token", None)
+        check_distinct(((legacy_grant(self.token),) if self.token else ()) + tuple(self.tokens))

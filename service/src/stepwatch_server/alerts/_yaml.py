@@ -3,6 +3,8 @@ where it is (`alerts.yaml:12: routes[0].channels[1]: ...`)."""
 
 from __future__ import annotations
 
+import os
+import pathlib
 from typing import Any
 
 import yaml
@@ -12,6 +14,31 @@ Path = tuple[str | int, ...]
 
 class YamlError(ValueError):
     """The file is not valid YAML for a configuration (syntax, duplicate keys, non-string keys)."""
+
+
+def load_file(
+    path: str | os.PathLike[str], what: str, fix: str, error: type[ValueError]
+) -> tuple[Any, dict[Path, int]]:
+    """`load_with_lines` of the file at `path`; `error` naming it (as `what`, with `fix`) when it cannot
+    be read, or the line when it is not YAML."""
+    try:
+        text = pathlib.Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise error(f"{what} {path}: cannot read it ({exc.strerror}); {fix}") from None
+    try:
+        return load_with_lines(text, str(path))
+    except YamlError as exc:
+        raise error(str(exc)) from None
+
+
+def located(source: str, lines: dict[Path, int], path: Path, problem: str) -> str:
+    """`source:line: dotted.path[0]: problem`, at the line of `path` or of its nearest parent."""
+    at, line = path, lines.get(path)
+    while line is None and at:
+        at = at[:-1]
+        line = lines.get(at)
+    name = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".") or "top level"
+    return f"{source}:{line or 1}: {name}: {problem}"
 
 
 def load_with_lines(text: str, source: str) -> tuple[Any, dict[Path, int]]:

@@ -13,10 +13,9 @@ import re
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-from stepwatch_server.alerts._yaml import YamlError, load_with_lines
+from stepwatch_server.alerts._yaml import load_file, located
 from stepwatch_server.alerts.routing import Match, Route, channels_for
 from stepwatch_server.detect.anomalies import KINDS, SEVERITIES
 
@@ -70,19 +69,9 @@ def load_config(
     """Read and check the file at `path`; secrets come from `env` (default: os.environ). With `only_channel`
     (`alerts test --channel`), the other channels are checked but their secrets are not needed yet: such a
     configuration can test that channel and nothing else (its other channels have no endpoint)."""
-    source = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise AlertsConfigError(
-            f"alerts configuration {source}: cannot read it ({exc.strerror}); pass an existing file "
-            "to --alerts or STEPWATCH_ALERTS (example: docs/alerts.example.yaml)"
-        ) from None
-    try:
-        doc, lines = load_with_lines(text, source)
-    except YamlError as exc:
-        raise AlertsConfigError(str(exc)) from None
-    return _Checker(source, lines, os.environ if env is None else env, only_channel).config(doc)
+    fix = "pass an existing file to --alerts or STEPWATCH_ALERTS (example: docs/alerts.example.yaml)"
+    doc, lines = load_file(path, "alerts configuration", fix, AlertsConfigError)
+    return _Checker(str(path), lines, os.environ if env is None else env, only_channel).config(doc)
 
 
 class _Checker:
@@ -96,12 +85,7 @@ class _Checker:
         self.source, self.lines, self.env, self.only_channel = source, lines, env, only_channel
 
     def fail(self, path: tuple[str | int, ...], problem: str) -> AlertsConfigError:
-        line = self.lines.get(path)
-        while line is None and path:
-            path = path[:-1]
-            line = self.lines.get(path)
-        name = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".") or "top level"
-        return AlertsConfigError(f"{self.source}:{line or 1}: {name}: {problem}")
+        return AlertsConfigError(located(self.source, self.lines, path, problem))
 
     def mapping(self, value: Any, path: tuple[str | int, ...], allowed: tuple[str, ...]) -> dict[str, Any]:
         if not isinstance(value, dict):

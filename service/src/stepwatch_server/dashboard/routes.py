@@ -11,6 +11,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from starlette.responses import Response
 
+from stepwatch_server.auth import ReadAccess
 from stepwatch_server.dashboard import answers
 from stepwatch_server.dashboard.heatmap import (
     DEFAULT_BUCKETS,
@@ -36,8 +37,8 @@ router = APIRouter(prefix="/api/v1", tags=["dashboard"])
     summary="Every run with its verdict, progress, step rate, open anomalies",
     responses={200: {"model": answers.DashboardRunsAnswer}},
 )
-def dashboard_runs(conn: Conn) -> Response:
-    return json_response({"runs": runs_overview(conn)})
+def dashboard_runs(conn: Conn, reader: ReadAccess) -> Response:
+    return json_response({"runs": [r for r in runs_overview(conn) if reader.sees(r["name"])]})
 
 
 @router.get(

@@ -17,10 +17,11 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from sqlalchemy import Connection, select
 from starlette.responses import Response
 
+from stepwatch_server.auth import ReadAccess, read_every_run
 from stepwatch_server.detect import answers
 from stepwatch_server.detect.anomalies import KINDS, SEVERITIES
 from stepwatch_server.errors import RUN_NOT_FOUND, InvalidParameter
@@ -84,8 +85,11 @@ def _shape(row: Any, run: str) -> dict[str, Any]:
     }
 
 
-def _select(run_id: int | None, status: str | None, kind: str | None, limit: int) -> Any:
+def _select(run_id: int | None, status: str | None, kind: str | None, limit: int, runs: Any = None) -> Any:
+    """`runs`: a WHERE clause on the run's name (a reader's scope), or None for every run."""
     stmt = select(*AnomalyRow.__table__.c, Run.name.label("run_name")).join(Run, Run.id == AnomalyRow.run_id)
+    if runs is not None:
+        stmt = stmt.where(runs)
     if run_id is not None:
         stmt = stmt.where(AnomalyRow.run_id == run_id)
     if status is not None:
@@ -119,10 +123,14 @@ def run_anomalies(
     responses={200: {"model": answers.AnomaliesAnswer}},
 )
 def all_anomalies(
-    conn: Conn, status: StatusParam = None, kind: KindParam = None, limit: Limit = DEFAULT_ANOMALIES
+    conn: Conn,
+    reader: ReadAccess,
+    status: StatusParam = None,
+    kind: KindParam = None,
+    limit: Limit = DEFAULT_ANOMALIES,
 ) -> Response:
     status, kind = _choice("status", status, STATUSES), _choice("kind", kind, KINDS)
-    rows = conn.execute(_select(None, status, kind, limit)).all()
+    rows = conn.execute(_select(None, status, kind, limit, reader.runs_clause(Run.name))).all()
     return json_response({"anomalies": [_shape(r, r.run_name) for r in rows]})
 
 
@@ -192,6 +200,7 @@ def run_health(run: str, conn: Conn) -> Response:
     "/detection",
     summary="The detection worker: queue, throughput, drops, latency",
     responses={200: {"model": answers.DetectionAnswer}},
+    dependencies=[Depends(read_every_run)],
 )
 def detection_stats(request: Request) -> Response:
     worker = request.app.state.detection

@@ -1,6 +1,6 @@
 """From request bytes to a JSON document: encoding, size limits, UTF-8 and JSON syntax.
 
-The size limit holds on the wire (enforced while the body streams in, see routes) and after
+The size limit holds on the wire (enforced while the body streams in: `read_body_bounded`) and after
 decompression: gzip is inflated with a bounded `decompressobj`, so a small body that inflates to
 gigabytes (a gzip bomb) costs at most the limit in memory before it is refused.
 """
@@ -13,11 +13,34 @@ import zlib
 from typing import Any
 
 import orjson
+from starlette.requests import Request
 
 from stepwatch_server.errors import BadRequest, InvalidBatch, PayloadTooLarge, UnsupportedMediaType
 
 _GZIP_WBITS = 16 + zlib.MAX_WBITS
 EXACT_DUPLICATE_CHECK_BYTES = 64 * 1024
+
+
+async def read_body_bounded(request: Request, limit: int) -> bytes:
+    """The raw body, refused with 413 as soon as it is known to exceed `limit` bytes."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        try:
+            declared = int(length)
+        except ValueError:
+            raise BadRequest("Content-Length is not an integer", field="Content-Length") from None
+        if declared > limit:
+            raise PayloadTooLarge(
+                f"the body is {declared} bytes; the limit is {limit} bytes on the wire", field="body"
+            )
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes on the wire", field="body")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _too_large(limit: int, where: str) -> PayloadTooLarge:

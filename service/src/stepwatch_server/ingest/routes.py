@@ -1,14 +1,14 @@
 """`POST /api/v1/ingest` (docs/ingest.md).
 
-The event loop only checks the token and streams the body in under the size limit; decompression,
-parsing, validation and the database transaction run in the thread pool. The answer is sent after
+The event loop only checks the token (auth/access.py: 401 before the body is read) and streams the
+body in under the size limit; decompression, parsing, validation, the check that the token writes the
+batch's run (403) and the database transaction run in the thread pool. The answer is sent after
 the commit; `_after_commit()` is the single point where stored batches leave ingest (the bus that
 feeds the detectors hooks in there).
 """
 
 from __future__ import annotations
 
-import hmac
 import time
 from typing import Any, Literal
 
@@ -17,8 +17,9 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
-from stepwatch_server.errors import BadRequest, ErrorAnswer, PayloadTooLarge, Unauthorized
-from stepwatch_server.ingest.body import decode_body
+from stepwatch_server.auth import Grant, check_write, write_access
+from stepwatch_server.errors import ErrorAnswer
+from stepwatch_server.ingest.body import decode_body, read_body_bounded
 from stepwatch_server.ingest.example import EXAMPLE_BATCH
 from stepwatch_server.ingest.schema import (
     MAX_NODE_CHARS,
@@ -91,45 +92,13 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorAnswer, "description": what}
     for code, what in (
         (400, "Not gzip, not UTF-8 or not JSON."),
-        (401, "Token missing or wrong."),
+        (401, "Token missing or unknown."),
+        (403, "The token does not write this run (a read token, or another run prefix)."),
         (413, "Over the size limit."),
         (415, "Unsupported Content-Encoding."),
         (422, "A field is invalid; `field` and `message` say which and why."),
     )
 }
-
-
-def check_token(request: Request, token: str | None) -> None:
-    if token is None:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-        raise Unauthorized(
-            "missing or wrong bearer token: send 'Authorization: Bearer <token>'", field="Authorization"
-        )
-
-
-async def read_body_bounded(request: Request, limit: int) -> bytes:
-    """The raw body, refused with 413 as soon as it is known to exceed `limit` bytes."""
-    length = request.headers.get("content-length")
-    if length is not None:
-        try:
-            declared = int(length)
-        except ValueError:
-            raise BadRequest("Content-Length is not an integer", field="Content-Length") from None
-        if declared > limit:
-            raise PayloadTooLarge(
-                f"the body is {declared} bytes; the limit is {limit} bytes on the wire", field="body"
-            )
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes on the wire", field="body")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _after_commit(request: Request, batch: Batch, result: IngestResult) -> None:
@@ -145,9 +114,10 @@ def _after_commit(request: Request, batch: Batch, result: IngestResult) -> None:
 
 
 def _ingest_sync(
-    writer: BatchWriter, raw: bytes, encoding: str | None, limit: int
+    writer: BatchWriter, grant: Grant | None, raw: bytes, encoding: str | None, limit: int
 ) -> tuple[Batch, IngestResult]:
     batch = parse_batch(decode_body(raw, encoding, limit))
+    check_write(grant, batch.run)  # the run is known only now; nothing is stored yet
     return batch, writer.write(batch)
 
 
@@ -164,11 +134,12 @@ def _ingest_sync(
 async def ingest(request: Request) -> Response:
     started = time.perf_counter()
     settings: Settings = request.app.state.settings
-    check_token(request, settings.token)
+    grant = write_access(request)
     raw = await read_body_bounded(request, settings.max_batch_bytes)
     batch, result = await run_in_threadpool(
         _ingest_sync,
         request.app.state.writer,
+        grant,
         raw,
         request.headers.get("content-encoding"),
         settings.max_batch_bytes,

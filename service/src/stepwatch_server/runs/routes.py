@@ -15,6 +15,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from sqlalchemy import Connection
 from starlette.responses import Response
 
+from stepwatch_server.auth import ReadAccess
 from stepwatch_server.errors import RUN_NOT_FOUND, InvalidParameter, NotFound
 from stepwatch_server.ingest.schema import EVENT_KINDS, MAX_STEP, MAX_WORLD_SIZE
 from stepwatch_server.responses import float_list, json_response
@@ -80,8 +81,8 @@ def _shape(
 @router.get(
     "/runs", summary="All runs, most recently seen first", responses={200: {"model": answers.RunsAnswer}}
 )
-def list_runs(conn: Conn) -> Response:
-    return json_response({"runs": queries.run_summaries(conn)})
+def list_runs(conn: Conn, reader: ReadAccess) -> Response:
+    return json_response({"runs": [r for r in queries.run_summaries(conn) if reader.sees(r["name"])]})
 
 
 @router.get(

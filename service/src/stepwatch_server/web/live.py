@@ -27,6 +27,7 @@ from sqlalchemy import Engine
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import StreamingResponse
 
+from stepwatch_server.auth import ReadAccess, Reader
 from stepwatch_server.dashboard.summary import runs_overview
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ def _event(name: str, data: Any) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
-async def _stream(feed: LiveFeed, run: str | None, request: Request) -> AsyncIterator[bytes]:
+async def _stream(feed: LiveFeed, run: str | None, reader: Reader, request: Request) -> AsyncIterator[bytes]:
     yield f"retry: {RETRY_MS}\n\n".encode()
     async with feed.listening():
         sent: dict[str, dict[str, Any]] = {}
@@ -94,7 +95,11 @@ async def _stream(feed: LiveFeed, run: str | None, request: Request) -> AsyncIte
             if feed.version > 0 and feed.version != seen_version:
                 first = seen_version < 0
                 seen_version = feed.version
-                rows = [r for name, r in feed.snapshot.items() if run is None or name == run]
+                rows = [
+                    r
+                    for name, r in feed.snapshot.items()
+                    if (run is None or name == run) and reader.sees(name)
+                ]
                 changed = [r for r in rows if sent.get(r["name"]) != r]
                 if changed or first:
                     sent.update((r["name"], r) for r in changed)
@@ -115,11 +120,12 @@ async def _stream(feed: LiveFeed, run: str | None, request: Request) -> AsyncIte
 )
 async def stream(
     request: Request,
+    reader: ReadAccess,
     run: Annotated[str | None, Query(max_length=200, description="only this run")] = None,
 ) -> StreamingResponse:
     feed: LiveFeed = request.app.state.live
     return StreamingResponse(
-        _stream(feed, run, request),
+        _stream(feed, run, reader, request),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
