@@ -5,7 +5,7 @@
 // env: STEPWATCH_URL (the collector), STEPWATCH_RUN, CHROMIUM (executable), SCREENSHOTS (a folder).
 // Protocol: prints {"phase":"ready_for_live",...}, then waits for a line on stdin (the test has fed
 // more steps), then prints {"phase":"done", ...the report} and exits.
-import { chromium } from "playwright-core";
+import { launch, loopback } from "./browser.mjs";
 import readline from "node:readline";
 
 const base = process.env.STEPWATCH_URL;
@@ -16,17 +16,8 @@ setTimeout(() => { console.error("dashboard.mjs: overall timeout"); process.exit
 
 const report = { consoleErrors: [], blocked: [], requests: [] };
 const emit = (obj) => process.stdout.write(JSON.stringify(obj) + "\n");
-const loopback = (url) => {
-  const u = new URL(url);
-  if (u.protocol === "data:" || u.protocol === "blob:" || u.protocol === "about:") return true;
-  return ["127.0.0.1", "localhost", "[::1]"].includes(u.hostname);
-};
 
-const browser = await chromium.launch({
-  executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
-  headless: true,
-  args: ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run"],
-});
+const browser = await launch();
 try {
   const context = await browser.newContext({ viewport: { width: 1440, height: 900 }, deviceScaleFactor: 1 });
   await context.route("**/*", (route) => {

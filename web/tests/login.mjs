@@ -4,18 +4,14 @@
 // again. Prints one JSON report on stdout; tests/web/test_login.py starts the collector and asserts.
 //
 // env: STEPWATCH_URL (the collector), STEPWATCH_READ_TOKEN (a token that reads some runs), CHROMIUM.
-import { chromium } from "playwright-core";
+import { launch } from "./browser.mjs";
 
 const base = process.env.STEPWATCH_URL;
 const token = process.env.STEPWATCH_READ_TOKEN;
 setTimeout(() => { console.error("login.mjs: overall timeout"); process.exit(3); }, 90_000).unref();
 
 const report = { requestsWithToken: [], pageErrors: [] };
-const browser = await chromium.launch({
-  executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
-  headless: true,
-  args: ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run"],
-});
+const browser = await launch();
 try {
   const context = await browser.newContext({ viewport: { width: 1280, height: 800 } });
   const page = await context.newPage();

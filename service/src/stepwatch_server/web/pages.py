@@ -1,4 +1,5 @@
-"""Serving the dashboard: `/` and `/run/<name>` answer the single page, `/assets/` its built files.
+"""Serving the dashboard: `/` and `/run/<name>` answer the single page, `/docs` the API docs page, `/assets/`
+their built files.
 
 The files are built from the top-level `web/` project (`npm ci && npm run build`, which
 scripts/setup.sh and the Dockerfile run) into `static/` next to this module, and shipped inside the
@@ -16,12 +17,13 @@ from starlette.staticfiles import StaticFiles
 
 STATIC_DIR = Path(__file__).with_name("static")
 INDEX = STATIC_DIR / "index.html"
+DOCS = STATIC_DIR / "docs.html"  # the API docs: Swagger UI from npm, built with the dashboard (no CDN)
 
 NOT_BUILT = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>stepwatch: dashboard not built</title></head>
 <body style="font-family: system-ui, sans-serif; max-width: 46rem; margin: 3rem auto; line-height: 1.5">
 <h1>The stepwatch dashboard is not built</h1>
-<p>The collector is running and its API answers (<a href="/docs">/docs</a>, <a href="/api/v1/runs">/api/v1/runs</a>),
+<p>The collector is running and its API answers (<a href="/openapi.json">/openapi.json</a>, <a href="/api/v1/runs">/api/v1/runs</a>),
 but the dashboard's files are missing from <code>{static}</code>.</p>
 <p>Build them from a clone of the repository (needs Node.js 20 and npm), then restart the collector:</p>
 <pre>bash scripts/setup.sh
@@ -33,10 +35,17 @@ cd web &amp;&amp; npm ci &amp;&amp; npm run build</pre>
 router = APIRouter(include_in_schema=False)
 
 
-def _page() -> Response:
-    if not INDEX.is_file():
+def _page(page: Path | None = None) -> Response:
+    page = INDEX if page is None else page  # looked up at each call (tests move it)
+    if not page.is_file():
         return HTMLResponse(NOT_BUILT.format(static=STATIC_DIR), status_code=503)
-    return FileResponse(INDEX, headers={"Cache-Control": "no-cache"})
+    return FileResponse(page, headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/docs")
+def api_docs() -> Response:
+    """The API docs, reading /openapi.json (FastAPI's own /docs loads Swagger UI from a CDN: it is off)."""
+    return _page(DOCS)
 
 
 @router.get("/")
