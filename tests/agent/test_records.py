@@ -436,6 +436,54 @@ def test_small_and_big_outputs_keep_call_order_and_exact_amax(
     assert [(e["step"], e["data"]["module"]) for e in events] == [(5, "small_in")]
 
 
+class Attention(nn.Module):
+    """One `nn.MultiheadAttention` block: its `out_proj` is applied through its weight inside
+    F.multi_head_attention_forward, never called as a module."""
+
+    def __init__(self, nan_from_call: int | None = None) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 1)
+        self.nan_from_call, self.calls = nan_from_call, 0
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        self.calls += 1
+        h = self.inp(x)
+        if self.nan_from_call is not None and self.calls >= self.nan_from_call:
+            h = h.clone()
+            h[0, 0, 0] = math.nan  # NaN into the attention's input: its output is the first non-finite
+        a, _ = self.attn(h, h, h)
+        return {"loss": (self.head(a) - y).pow(2).mean()}
+
+
+def test_attention_whose_projection_runs_functionally_is_tracked_by_its_output(
+    receiver: Receiver, fast: dict[str, Any]
+) -> None:
+    """`nn.MultiheadAttention.out_proj` never runs as a module, so its amax and NaN checks never fired: the
+    attention module is tracked instead (its output is out_proj's), and `tracked()` says what is."""
+    torch.manual_seed(0)
+    model = Attention(nan_from_call=15)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    watch = stepwatch.attach(model, opt, run="mha", url=receiver.url, **fast)
+    assert watch.tracked() == ["inp", "attn", "head"]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(16):
+        x, y = torch.randn(2, 3, 8, generator=gen), torch.randn(2, 3, 1, generator=gen)
+        model(x, y)["loss"].backward()
+        opt.step()
+        opt.zero_grad()
+    watch.close(timeout_s=5)
+    batches = receiver.accepted()
+    sampled = [b for b in batches if "tensors" in b]
+    assert sampled and set(sampled[0]["tensors"]["stats"]["amax"]) == {"inp", "attn", "head"}
+    assert sampled[0]["tensors"]["stats"]["amax"]["attn"][0] > 0
+    events = [e for b in batches for e in b.get("events", []) if e["kind"] == "nonfinite"]
+    assert [(e["step"], e["data"]["module"]) for e in events][:1] == [(15, "attn")]
+    assert watch.tracked() == ["inp", "attn", "head"]  # still says, once closed
+    assert stepwatch.NullWatch().tracked() == []
+
+
 def test_a_bare_module_as_the_model_and_odd_module_names_send_batches_the_collector_accepts(
     receiver: Receiver, fast: dict[str, Any]
 ) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
 from typing import Any
 
@@ -103,6 +103,24 @@ class _EagerHook:
         return (_inert, ())
 
 
+def tracked_modules(model: nn.Module, extra: Sequence[str]) -> dict[str, nn.Module]:
+    """The modules whose outputs are checked, by name: every `nn.Linear`, and the modules named in `extra`.
+    `nn.MultiheadAttention` applies its `out_proj` through the weight (F.multi_head_attention_forward),
+    so that Linear never runs as a module: the attention module is tracked in its place (its output is
+    out_proj's)."""
+    named = dict(model.named_modules())
+    functional = {
+        f"{n}.out_proj" if n else "out_proj" for n, m in named.items() if isinstance(m, nn.MultiheadAttention)
+    }
+    tracked: dict[str, nn.Module] = {
+        n: m
+        for n, m in named.items()
+        if isinstance(m, nn.MultiheadAttention) or (isinstance(m, nn.Linear) and n not in functional)
+    }
+    tracked.update({n: named[n] for n in extra})
+    return tracked
+
+
 class Ring:
     """Preallocated float32 rows the per-step device values are written into (`out=`), so that the hooks
     allocate as few tensors per step as they can.
@@ -177,9 +195,7 @@ class Hooks:
         self._all_key: tuple[int, ...] = ()  # ids of self._params
         self._dense: bool | None = None  # their gradients are not sparse (None: not seen yet)
         self._grad_names: tuple[tuple[int, ...], tuple[str, ...]] = ((), ())
-        tracked = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-        named = dict(model.named_modules())
-        tracked.update({n: named[n] for n in config.track})
+        tracked = tracked_modules(model, config.track)
         self._order = wire_names(list(tracked))  # tracked modules' names as sent; a tap's slot indexes them
         self._taps = [self._tap(slot, module) for slot, module in enumerate(tracked.values())]
         self._handles += [
@@ -196,6 +212,10 @@ class Hooks:
         self._probe = next((p for g in optimizer.param_groups for p in g["params"] if p.requires_grad), None)
         self._zero_grad = optimizer.zero_grad
         optimizer.zero_grad = self._on_zero_grad  # type: ignore[method-assign]
+
+    @property
+    def tracked(self) -> tuple[str, ...]:
+        return self._order
 
     def _capacity_mb(self) -> float | None:
         try:

@@ -95,6 +95,7 @@ class Watch:
             model, optimizer, config, self._guard, self._live, self._sender.submit, layout
         )
         self._sender.set_capacity_mb(self._hooks.capacity_mb)
+        self._tracked = list(self._hooks.tracked)
         self._sender.start()
         _LIVE.add(self)
         _register_process_hooks()
@@ -155,6 +156,12 @@ class Watch:
         """The agent's counters (also shipped in every batch as `agent.counters`)."""
         return self._counters.snapshot()
 
+    def tracked(self) -> list[str]:
+        """The modules whose output is checked for NaN/Inf and sampled for amax, by the names they are sent
+        under: every `nn.Linear` a forward calls, each `nn.MultiheadAttention` (in place of its `out_proj`,
+        which it applies functionally) and the `track` option's."""
+        return list(self._tracked)
+
     def close(self, timeout_s: float | None = None) -> None:
         """Remove the hooks, send what is pending within `timeout_s` (default 2 s), spool the rest.
 
@@ -203,6 +210,7 @@ class NullWatch(Watch):
         self._counters = Counters()
         self._live = Live()
         self._closed = True
+        self._tracked: list[str] = []
 
     @property
     def session(self) -> str:
