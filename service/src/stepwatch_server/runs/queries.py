@@ -15,6 +15,7 @@ import numpy as np
 from sqlalchemy import Connection, Row, Select, and_, func, select
 
 from stepwatch_server.errors import NotFound
+from stepwatch_server.storage.chunks import chunk_size, chunks
 from stepwatch_server.storage.models import (
     METRIC_STAT,
     AgentSession,
@@ -136,22 +137,25 @@ def read_points(
     (every rank of the run) lets a step range seek the primary key instead of scanning all steps."""
     if not ids:
         return []
-    query = select(Point.series_id, Point.rank, Point.step, Point.incarnation, Point.value).where(
-        Point.series_id.in_(ids)
-    )
-    if rank is not None:
-        query = query.where(Point.rank == rank)
-    elif ranks is not None:
-        query = query.where(Point.rank.in_(ranks))
-    if from_step is not None:
-        query = query.where(Point.step >= from_step)
-    if to_step is not None:
-        query = query.where(Point.step <= to_step)
-    query = query.order_by(Point.series_id, Point.rank, Point.step, Point.incarnation)
-    sid, rank_numbers, steps, _inc, values = fetch_columns(conn, query, (0, 1, 2, 3))  # NULL -> nan
-    if sid.size == 0:
-        return []
-    return _split_latest(sid, rank_numbers, steps, values)
+    out: list[RankSeries] = []
+    size = chunk_size(conn, fixed=len(ranks or ()) + 4)  # a chunk of series per statement
+    for part in chunks(sorted(ids), size):
+        query = select(Point.series_id, Point.rank, Point.step, Point.incarnation, Point.value).where(
+            Point.series_id.in_(part)
+        )
+        if rank is not None:
+            query = query.where(Point.rank == rank)
+        elif ranks is not None:
+            query = query.where(Point.rank.in_(ranks))
+        if from_step is not None:
+            query = query.where(Point.step >= from_step)
+        if to_step is not None:
+            query = query.where(Point.step <= to_step)
+        query = query.order_by(Point.series_id, Point.rank, Point.step, Point.incarnation)
+        sid, rank_numbers, steps, _inc, values = fetch_columns(conn, query, (0, 1, 2, 3))  # NULL -> nan
+        if sid.size:
+            out += _split_latest(sid, rank_numbers, steps, values)
+    return out
 
 
 def fetch_columns(conn: Connection, statement: Any, integers: Sequence[int]) -> list[np.ndarray]:
