@@ -18,7 +18,7 @@ from sqlalchemy import Engine, event, func, insert, select, text
 
 from stepwatch_server.ingest.store import insert_points
 from stepwatch_server.metrics.collector import REGISTRY
-from stepwatch_server.runs import queries, rollup_worker, rollups
+from stepwatch_server.runs import queries, rank_rollups, rollup_worker, rollups, step_rollups
 from stepwatch_server.runs.rollup_worker import RollupWorker
 from stepwatch_server.storage import make_engine, upgrade, write_transaction
 from stepwatch_server.storage.models import Point, RankRollup, Run, Series, StepRollup
@@ -72,8 +72,16 @@ def test_a_round_over_more_series_than_one_statement_may_bind_completes(engine: 
         assert tuple(step_rows.one()) == (SERIES, 3.0 * SERIES, 2)
         level0 = conn.execute(select(func.count()).where(RankRollup.level == 0)).scalar_one()
         assert level0 == 2 * SERIES
-        read = queries.read_points(conn, ids, None, 0, 0, ranks=[0, 1])  # a read of every series at once
+        # the reads of every series at once (as the amax view reads every module's)
+        read = queries.read_points(conn, ids, None, 0, 0, ranks=[0, 1])
         assert len(read) == 2 * SERIES and {s.series_id for s in read} == set(ids)
+        assert step_rollups.step_range(conn, ids, None, None) == (0, 0, 2 * SERIES)
+        per_step = step_rollups.read_steps(conn, ids, None, None)
+        assert per_step.series_id.tolist() == ids and set(per_step.total.tolist()) == {3.0}
+        groups = step_rollups.across_ranks(conn, ids, None, None, 100)
+        assert groups.series_id.tolist() == ids and set(groups.peak.tolist()) == {2.0}
+        cells = rank_rollups.read(conn, ids, None, None)
+        assert cells.n.size == 2 * SERIES and set(cells.hi.tolist()) == {1.0, 2.0}
 
 
 def _poison(engine: Engine, sid: int, first: int, last: int) -> None:

@@ -5,10 +5,13 @@ an exact step range from the fewest whole buckets (`read_span`), and the per-ran
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 from sqlalchemy import Connection, select
 
-from stepwatch_server.runs.queries import fetch_columns
+from stepwatch_server.runs.queries import fetch_chunked
 from stepwatch_server.runs.rollups import (
     BUCKET_STEPS,
     LEVELS,
@@ -61,16 +64,18 @@ def _read_level(
     parts: list[Buckets] = []
     if first < cut:
         r = RankRollup
-        query = select(
-            r.series_id, r.rank, r.bucket, r.incarnation, r.n, r.total, r.lo, r.hi, r.nonfinite
-        ).where(r.series_id.in_(ids), r.level == level, r.bucket >= first, r.bucket < cut)
-        if last is not None:
-            query = query.where(r.bucket <= last)
-        if ranks is not None:
-            query = query.where(r.rank.in_(ranks))  # the primary key (series, level, rank, bucket) is sought
-        cols = fetch_columns(
-            conn, query.order_by(r.series_id, r.rank, r.bucket, r.incarnation), ROLLUP_INTEGERS
-        )
+
+        def query(part: Sequence[int]) -> Any:
+            q = select(
+                r.series_id, r.rank, r.bucket, r.incarnation, r.n, r.total, r.lo, r.hi, r.nonfinite
+            ).where(r.series_id.in_(part), r.level == level, r.bucket >= first, r.bucket < cut)
+            if last is not None:
+                q = q.where(r.bucket <= last)
+            if ranks is not None:
+                q = q.where(r.rank.in_(ranks))  # the primary key (series, level, rank, bucket) is sought
+            return q.order_by(r.series_id, r.rank, r.bucket, r.incarnation)
+
+        cols = fetch_chunked(conn, ids, query, ROLLUP_INTEGERS, fixed=len(ranks or ()) + 4)
 
         def exact(sid: int, bucket: int) -> Buckets:
             if level == 0:
