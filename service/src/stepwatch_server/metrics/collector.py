@@ -117,7 +117,7 @@ ROLLUP_FAILURES = Counter(
 ROLLUP_SKIPPED = Counter(
     "rollup_skipped_ranges",
     "Step ranges the rollup worker gave up on after failing MAX_ROUND_FAILURES times (raw points kept; "
-    "the views read from rollups show a gap there).",
+    "the views read from rollups leave their steps out).",
     namespace=NAMESPACE,
     registry=REGISTRY,
 )

@@ -19,10 +19,11 @@ that what fails is narrowed to its buckets and the rest is rolled up. A bucket t
 `MAX_ROUND_FAILURES` times in a row is given up (`rollups.skip`): reported once in the log with its
 error and extent and counted (`stepwatch_rollup_skipped_ranges_total`); its rollup rows are deleted,
 the watermark passes it and the run's later steps are rolled up. The views read from rollups (the
-mean curve, the amax, a long run's heatmap, `rank=all` over a wide range) show a gap over the
-skipped steps; their raw points are kept, and a later batch for those steps rolls them up again.
-A failure to reach the database at all (connection lost) counts toward the backoff only, and a
-range is skipped only when the skip itself commits, so an outage never skips data.
+mean curve, the amax, a long run's heatmap, `rank=all` over a wide range) leave the skipped steps
+out (a gap where a point or column holds nothing else); their raw points are kept, and a later
+batch for those steps has them rolled up again.
+A lost connection counts toward the backoff only, and a range is skipped only when the skip itself
+commits: a database that cannot be written is waited out, not skipped past.
 At stop the thread rolls up what is dirty for at most `STOP_DEADLINE_S` (not the runs backing off).
 """
 
@@ -217,8 +218,8 @@ class RollupWorker:
         if trouble is not None:
             if planned.last_step >= trouble.until:
                 del self._trouble[run_id]  # past the range that failed: whole rounds again
-            else:
-                trouble.failures = 0
+            elif planned.first <= trouble.first <= planned.last_step:
+                trouble.failures = 0  # what failed went through (another bucket's success does not count)
         return planned.last_step
 
     def _failed(self, run_id: int, first: int, planned: rollups.Round | None, exc: Exception) -> int:
@@ -268,7 +269,7 @@ class RollupWorker:
         rollup_skipped()
         log.error(
             "rollups: gave up on run %r (id %d), %s, after %d failures in a row: %s. Its raw points are "
-            "kept; the views read from rollups show a gap there until a batch for those steps arrives.",
+            "kept; the views read from rollups leave these steps out until a batch for them arrives.",
             name,
             planned.run_id,
             planned.extent(),

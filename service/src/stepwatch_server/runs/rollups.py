@@ -36,6 +36,9 @@ The rollups lag ingest by about a round. `rollup_marks` holds per run the highes
 while the worker catches up. A late batch for steps below the watermark (a slow rank) is in the raw
 series at once and in these views after the worker's next round.
 
+Every statement that names a run's series takes them in chunks (storage/chunks.py), so that no
+statement binds more parameters than a driver allows (psycopg: 65,535), however many series a run has.
+
 This module writes both tables and holds what their reads share; the reads are in
 runs/rank_rollups.py (the heatmaps) and runs/step_rollups.py (the curves and the amax).
 """
@@ -237,9 +240,9 @@ def apply(conn: Connection, r: Round) -> None:
 
 def skip(conn: Connection, r: Round) -> None:
     """Give up on round `r` (its roll-up keeps failing): delete the step rollups and the level-0 rank
-    rollups of its buckets, so that the views read from rollups show a gap there rather than an older
-    state of those steps, sum the coarser levels over them again from what is left, and raise the
-    watermark past them so that the run's later steps are rolled up. The raw points are kept."""
+    rollups of its buckets, so that the views read from rollups leave those steps out rather than
+    show an older state of them, sum the coarser levels over them again from what is left, and raise
+    the watermark past them so that the run's later steps are rolled up. The raw points are kept."""
     _rewrite(conn, r, _SKIP)
 
 
