@@ -160,6 +160,7 @@ def test_a_range_that_keeps_failing_is_retried_with_backoff_then_skipped_and_rep
         stats = worker.stats()
         # the whole range failed once, then bucket 1 alone rollup_worker.MAX_ROUND_FAILURES times: not once a round
         assert stats["skipped_ranges"] == 1 and stats["errors"] == 1 + rollup_worker.MAX_ROUND_FAILURES
+        assert stats["backing_off_runs"] == 0 and stats["dirty_runs"] == 0
         backoff_s = sum(retry_first_s * 2**i for i in range(rollup_worker.MAX_ROUND_FAILURES - 1))
         assert gave_up_after_s >= backoff_s
         assert _skipped() == skipped_before + 1

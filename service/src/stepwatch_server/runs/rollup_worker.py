@@ -247,8 +247,10 @@ class RollupWorker:
         if not lost_connection:  # an outage is waited out, never skipped
             trouble.failures += 1
         if planned is not None and trouble.failures >= MAX_ROUND_FAILURES and self._skip(planned, exc):
-            trouble.failures = 0
-            trouble.retry_at = 0.0
+            if planned.last_step >= trouble.until:
+                del self._trouble[run_id]
+            else:
+                trouble.failures, trouble.retry_at = 0, 0.0
             return planned.last_step
         backoff_s = self.retry_first_s * 2 ** max(0, trouble.failures - 1)
         trouble.retry_at = time.monotonic() + min(RETRY_MAX_S, backoff_s)
@@ -285,7 +287,7 @@ class RollupWorker:
                 "rolled_ranges": self.rolled_ranges,
                 "errors": self.errors,
                 "skipped_ranges": self.skipped_ranges,
-                "backing_off_runs": len(self._trouble),
+                "backing_off_runs": sum(t.retry_at > time.monotonic() for t in list(self._trouble.values())),
             }
 
 
