@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 import orjson
 import pytest
-from sqlalchemy import Connection, Engine, event, insert
+from sqlalchemy import Connection, Engine, event, insert, select
 
 from stepwatch_server.ingest.store import insert_points
-from stepwatch_server.runs import rollups, routes
+from stepwatch_server.runs import queries, rank_rollups, rollups, routes
 from stepwatch_server.storage import write_transaction
 from stepwatch_server.storage.models import Run, Series
 
@@ -148,3 +148,56 @@ def test_rank_all_over_a_narrow_range_is_the_exact_raw_series(engine: Engine) ->
         if rank == SPIKE[0]:
             expected[50] = SPIKE[2]
         assert values == pytest.approx(expected)
+
+
+RANGES = [
+    (1_000, 59_999, 100),
+    (777, 41_234, 25),
+    (5, 5, 3),
+    (63, 64, 1),
+    (0, 59_999, 7),
+    (12_345, 12_645, 10_000),
+]
+
+
+def test_the_columns_of_a_range_equal_the_raw_aggregation(engine: Engine) -> None:
+    """Per rank and column, what `rank_curves` is drawn from (`read_range`) is the raw aggregation of
+    exactly the column's steps inside the range: whole buckets of the level, and the end columns from
+    the fewest whole buckets plus raw steps (ranges of one step to the whole run, aligned or not)."""
+    _long_run(engine)
+    with engine.connect() as conn:
+        (sid,) = conn.execute(select(Series.id)).scalars()
+        for first, last, columns in RANGES:
+            cells, start, width = rank_rollups.read_range(conn, sid, first, last, columns)
+            raw = queries.read_points(conn, [sid], None, first, last)
+            assert start <= first and width >= rollups.BUCKET_STEPS and int(cells.bucket.max()) < columns
+            got, expected = _columns(cells), _raw_columns(raw, start, width)
+            assert got.keys() == expected.keys(), (first, last, columns)
+            for key, figures in expected.items():
+                assert got[key] == pytest.approx(figures, rel=1e-12), (first, last, columns, key)
+
+
+def _columns(cells: rollups.Buckets) -> dict[tuple[int, int], list[float]]:
+    fields = ("rank", "bucket", "n", "total", "lo", "hi", "nonfinite")
+    return {
+        (r, c): [n, t, lo, hi, bad]
+        for r, c, n, t, lo, hi, bad in zip(*(getattr(cells, f).tolist() for f in fields), strict=True)
+    }
+
+
+def _raw_columns(raw: list[queries.RankSeries], start: int, width: int) -> dict[tuple[int, int], list[float]]:
+    """(rank, column) -> [n, total, lo, hi, nonfinite] of the raw values in columns of `width` steps."""
+    expected = {}
+    for s in raw:
+        column = (s.steps - start) // width
+        for c in np.unique(column).tolist():
+            v = s.values[column == c]
+            finite = v[np.isfinite(v)]
+            expected[(s.rank, c)] = [
+                finite.size,
+                finite.sum(),
+                finite.min(),
+                finite.max(),
+                v.size - finite.size,
+            ]
+    return expected
