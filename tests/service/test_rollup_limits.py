@@ -186,3 +186,20 @@ def test_a_range_that_keeps_failing_is_retried_with_backoff_then_skipped_and_rep
             assert newer.scalar_one() == 64
     finally:
         worker.stop()
+
+
+def test_stop_does_not_spend_its_deadline_retrying_a_failing_range(engine: Engine) -> None:
+    """A run waiting out its backoff is left dirty at stop (its raw points are read above the watermark)
+    instead of being retried hot until the stop deadline."""
+    run_id, (sid,) = _run(engine, "poisoned", 1, world_size=2)
+    _points(engine, sid, 0, 63)
+    _poison(engine, sid, 0, 63)
+    worker = RollupWorker(engine).start()
+    worker.submit(run_id, 0, 63)
+    deadline = time.monotonic() + CATCH_UP_S
+    while worker.stats()["errors"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    started = time.monotonic()
+    worker.stop(deadline_s=5.0)
+    assert time.monotonic() - started < 2.0 and not worker.running
+    assert worker.stats()["errors"] == 1 and worker.stats()["dirty_runs"] == 1
