@@ -28,7 +28,8 @@ OUTSIDE = (3, 999, 5000.0)  # rank 3's spike one step before it: never in the an
 MAX_POINTS = 200
 
 
-def _long_run(engine: Engine) -> None:
+def _long_run(engine: Engine, rolled_to: int = STEPS - 1) -> int:
+    """The run's values, rolled up to step `rolled_to`; its run id."""
     now = dt.datetime.now(dt.UTC)
     with engine.begin() as conn:
         run_id = conn.execute(
@@ -51,7 +52,8 @@ def _long_run(engine: Engine) -> None:
             rows += [(sid, rank, s, 1, x) for s, x in enumerate(v.tolist())]
         insert_points(conn, rows)
     with write_transaction(engine) as conn:
-        assert rollups.roll_up(conn, run_id, 0, STEPS - 1) == STEPS - 1
+        assert rollups.roll_up(conn, run_id, 0, rolled_to) == rolled_to
+    return int(run_id)
 
 
 class PointReads:
@@ -148,6 +150,17 @@ def test_rank_all_over_a_narrow_range_is_the_exact_raw_series(engine: Engine) ->
         if rank == SPIKE[0]:
             expected[50] = SPIKE[2]
         assert values == pytest.approx(expected)
+
+
+def test_rank_all_is_the_same_while_the_rollups_lag(engine: Engine) -> None:
+    """Rolled up to the middle of a bucket of every level: the steps above are summed from the levels
+    below and the raw points, and the answer is the one read once everything is rolled up."""
+    run_id = _long_run(engine, rolled_to=37_000)
+    lagging, _ = _series(engine, from_step=EDGE[1], to_step=STEPS - 1)
+    with write_transaction(engine) as conn:
+        rollups.roll_up(conn, run_id, 37_001, STEPS - 1)
+    caught_up, _ = _series(engine, from_step=EDGE[1], to_step=STEPS - 1)
+    assert lagging == caught_up
 
 
 RANGES = [
