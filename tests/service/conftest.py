@@ -18,11 +18,12 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import create_engine, func, select, text
+from sqlalchemy import Engine, create_engine, func, select, text
 
 from stepwatch_server.ingest.example import EXAMPLE_BATCH
 from stepwatch_server.serving import BackgroundServer
 from stepwatch_server.settings import Settings
+from stepwatch_server.storage import make_engine, upgrade
 from stepwatch_server.storage.models import ALL_TABLES
 from tests.conftest import POSTGRES_URL, port_open, require, require_module
 
@@ -104,6 +105,15 @@ def backend(request: pytest.FixtureRequest) -> str:
 def database_url(backend: str, tmp_path: Path) -> Iterator[str]:
     with fresh_database(backend, tmp_path) as url:
         yield url
+
+
+@pytest.fixture
+def engine(database_url: str) -> Iterator[Engine]:
+    """An engine on a fresh database with the migrations applied."""
+    engine = make_engine(database_url)
+    upgrade(engine)
+    yield engine
+    engine.dispose()
 
 
 @pytest.fixture

@@ -31,14 +31,6 @@ CATCH_UP_S = 60.0  # the bound on waiting for the worker (it needs well under a 
 
 
 @pytest.fixture
-def engine(database_url: str) -> Iterator[Engine]:
-    engine = make_engine(database_url)
-    upgrade(engine)
-    yield engine
-    engine.dispose()
-
-
-@pytest.fixture
 def worker(engine: Engine) -> Iterator[RollupWorker]:
     worker = RollupWorker(engine).start()
     yield worker

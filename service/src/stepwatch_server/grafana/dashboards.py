@@ -399,6 +399,14 @@ def collector() -> dashboard.Dashboard:
         )
         .with_panel(
             prom_timeseries(
+                "Rollups: failed transactions and skipped ranges / s",
+                "none",
+                promql(f"sum(rate(stepwatch_rollup_failures_total[{RATE}]))", "failed"),
+                promql(f"sum(rate(stepwatch_rollup_skipped_ranges_total[{RATE}]))", "skipped", "B"),
+            )
+        )
+        .with_panel(
+            prom_timeseries(
                 "Alert deliveries / s",
                 "none",
                 promql(

@@ -15,7 +15,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -28,6 +28,7 @@ from sqlalchemy.exc import TimeoutError as DatabaseTimeout
 
 from stepwatch_server.errors import InvalidBatch
 from stepwatch_server.ingest.schema import Batch, Column
+from stepwatch_server.storage.chunks import chunks
 from stepwatch_server.storage.engine import write_transaction
 from stepwatch_server.storage.models import (
     METRIC_STAT,
@@ -384,7 +385,7 @@ class BatchWriter:
                 insert_ignore(conn, _SERIES),
                 [{"run_id": run_id, "stat": stat, "name": name} for stat, name in missing],
             )
-            for chunk in _chunks(missing, 500):
+            for chunk in chunks(missing, 500):  # a tuple IN list: 2 parameters a name
                 found = conn.execute(
                     select(Series.stat, Series.name, Series.id).where(
                         Series.run_id == run_id, tuple_(Series.stat, Series.name).in_(chunk)
@@ -450,8 +451,3 @@ class BatchWriter:
             if batch.agent_counters is not None:
                 changes["agent_counters"] = batch.agent_counters
         conn.execute(update(Rank).where(Rank.run_id == run_id, Rank.rank == batch.rank).values(**changes))
-
-
-def _chunks(items: list[tuple[str, str]], size: int) -> Iterable[list[tuple[str, str]]]:
-    for i in range(0, len(items), size):
-        yield items[i : i + size]

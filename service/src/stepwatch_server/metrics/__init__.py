@@ -10,6 +10,8 @@ from stepwatch_server.metrics.collector import (
     detection_round,
     ingest_accepted,
     ingest_rejected,
+    rollup_failed,
+    rollup_skipped,
 )
 from stepwatch_server.metrics.routes import router
 
@@ -20,5 +22,7 @@ __all__ = [
     "detection_round",
     "ingest_accepted",
     "ingest_rejected",
+    "rollup_failed",
+    "rollup_skipped",
     "router",
 ]

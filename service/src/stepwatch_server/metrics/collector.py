@@ -1,7 +1,8 @@
-"""The collector's own metrics: ingest, the detection worker, alert deliveries.
+"""The collector's own metrics: ingest, the detection worker, the rollup worker, alert deliveries.
 
 One line at each place that does the work calls a function of this module (ingest/routes.py,
-detect/worker.py, the alert sender); each is a lock and an add (prometheus_client), never I/O.
+detect/worker.py, runs/rollup_worker.py, the alert sender); each is a lock and an add
+(prometheus_client), never I/O.
 
 Multi-worker safe: when `PROMETHEUS_MULTIPROC_DIR` names a writable, empty directory in the
 environment of every worker process *before it starts*, prometheus_client keeps these values in
@@ -107,6 +108,19 @@ DETECTION_LAG = Histogram(
     registry=REGISTRY,
     buckets=_LAG_BUCKETS_S,
 )
+ROLLUP_FAILURES = Counter(
+    "rollup_failures",
+    "Roll-up transactions of the rollup worker that failed (retried with backoff, then skipped).",
+    namespace=NAMESPACE,
+    registry=REGISTRY,
+)
+ROLLUP_SKIPPED = Counter(
+    "rollup_skipped_ranges",
+    "Step ranges the rollup worker gave up on after failing MAX_ROUND_FAILURES times (raw points kept; "
+    "the views read from rollups leave their steps out).",
+    namespace=NAMESPACE,
+    registry=REGISTRY,
+)
 ALERT_DELIVERIES = Counter(
     "alert_deliveries",
     "Alert messages by channel type and outcome (delivered, retried, failed, suppressed, rate_limited).",
@@ -152,6 +166,16 @@ def detection_round(lags_s: Iterable[float], queue_depth: int) -> None:
 def detection_dropped() -> None:
     """A stored batch skipped detection (the worker's queue was full, or it was stopping)."""
     DETECTION_BATCHES.labels("dropped").inc()
+
+
+def rollup_failed() -> None:
+    """A roll-up transaction failed (runs/rollup_worker.py)."""
+    ROLLUP_FAILURES.inc()
+
+
+def rollup_skipped() -> None:
+    """The rollup worker gave up on a step range (runs/rollup_worker.py)."""
+    ROLLUP_SKIPPED.inc()
 
 
 def alert_delivery(channel_type: str, outcome: str, n: int = 1) -> None:

@@ -7,7 +7,7 @@ by (series, rank, step, incarnation) along the primary key and the last row of e
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +15,7 @@ import numpy as np
 from sqlalchemy import Connection, Row, Select, and_, func, select
 
 from stepwatch_server.errors import NotFound
+from stepwatch_server.storage.chunks import chunk_size, chunks
 from stepwatch_server.storage.models import (
     METRIC_STAT,
     AgentSession,
@@ -136,22 +137,45 @@ def read_points(
     (every rank of the run) lets a step range seek the primary key instead of scanning all steps."""
     if not ids:
         return []
-    query = select(Point.series_id, Point.rank, Point.step, Point.incarnation, Point.value).where(
-        Point.series_id.in_(ids)
-    )
-    if rank is not None:
-        query = query.where(Point.rank == rank)
-    elif ranks is not None:
-        query = query.where(Point.rank.in_(ranks))
-    if from_step is not None:
-        query = query.where(Point.step >= from_step)
-    if to_step is not None:
-        query = query.where(Point.step <= to_step)
-    query = query.order_by(Point.series_id, Point.rank, Point.step, Point.incarnation)
-    sid, rank_numbers, steps, _inc, values = fetch_columns(conn, query, (0, 1, 2, 3))  # NULL -> nan
+
+    def query(part: Sequence[int]) -> Any:
+        q = select(Point.series_id, Point.rank, Point.step, Point.incarnation, Point.value).where(
+            Point.series_id.in_(part)
+        )
+        if rank is not None:
+            q = q.where(Point.rank == rank)
+        elif ranks is not None:
+            q = q.where(Point.rank.in_(ranks))
+        if from_step is not None:
+            q = q.where(Point.step >= from_step)
+        if to_step is not None:
+            q = q.where(Point.step <= to_step)
+        return q.order_by(Point.series_id, Point.rank, Point.step, Point.incarnation)
+
+    cols = fetch_chunked(conn, ids, query, (0, 1, 2, 3), fixed=len(ranks or ()) + 4)  # NULL -> nan
+    sid, rank_numbers, steps, _inc, values = cols
     if sid.size == 0:
         return []
     return _split_latest(sid, rank_numbers, steps, values)
+
+
+def fetch_chunked(
+    conn: Connection,
+    ids: Sequence[int],
+    query: Callable[[Sequence[int]], Any],
+    integers: Sequence[int],
+    fixed: int = 0,
+) -> list[np.ndarray]:
+    """`fetch_columns` of `query(part)` for the sorted `ids` in parts that fit one statement's bind
+    parameters (storage/chunks.py; `fixed`: the statement's other parameters), joined: a query
+    ordered by series id first comes back in that order."""
+    parts = [
+        fetch_columns(conn, query(part), integers)
+        for part in chunks(sorted(ids), chunk_size(conn, fixed=fixed))
+    ]
+    if len(parts) == 1:
+        return parts[0]
+    return [np.concatenate([p[i] for p in parts]) for i in range(len(parts[0]))]
 
 
 def fetch_columns(conn: Connection, statement: Any, integers: Sequence[int]) -> list[np.ndarray]:

@@ -1,13 +1,19 @@
 """Reads of the per-rank rollups (`rank_rollups`, kept by runs/rollups.py): each rank's figures per
-bucket of a level, and a heatmap's columns from the level that fits them (`read_columns`)."""
+bucket of a level, a heatmap's columns from the level that fits them (`read_columns`), the figures of
+an exact step range from the fewest whole buckets (`read_span`), and the per-rank curves of
+`series?rank=all` over a wide range (`rank_curves`)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from sqlalchemy import Connection, select
 
-from stepwatch_server.runs.queries import fetch_columns
+from stepwatch_server.runs.queries import fetch_chunked
 from stepwatch_server.runs.rollups import (
+    BUCKET_STEPS,
     LEVELS,
     ROLLUP_INTEGERS,
     Buckets,
@@ -22,7 +28,7 @@ from stepwatch_server.runs.rollups import (
 )
 from stepwatch_server.storage.models import RankRollup
 
-RAW_READ_BUDGET = 200_000  # above this many raw values, a heatmap reads the rollups instead
+RAW_READ_BUDGET = 200_000  # above this many raw values, a heatmap or series?rank=all reads the rollups
 
 
 def read(
@@ -58,16 +64,18 @@ def _read_level(
     parts: list[Buckets] = []
     if first < cut:
         r = RankRollup
-        query = select(
-            r.series_id, r.rank, r.bucket, r.incarnation, r.n, r.total, r.lo, r.hi, r.nonfinite
-        ).where(r.series_id.in_(ids), r.level == level, r.bucket >= first, r.bucket < cut)
-        if last is not None:
-            query = query.where(r.bucket <= last)
-        if ranks is not None:
-            query = query.where(r.rank.in_(ranks))  # the primary key (series, level, rank, bucket) is sought
-        cols = fetch_columns(
-            conn, query.order_by(r.series_id, r.rank, r.bucket, r.incarnation), ROLLUP_INTEGERS
-        )
+
+        def query(part: Sequence[int]) -> Any:
+            q = select(
+                r.series_id, r.rank, r.bucket, r.incarnation, r.n, r.total, r.lo, r.hi, r.nonfinite
+            ).where(r.series_id.in_(part), r.level == level, r.bucket >= first, r.bucket < cut)
+            if last is not None:
+                q = q.where(r.bucket <= last)
+            if ranks is not None:
+                q = q.where(r.rank.in_(ranks))  # the primary key (series, level, rank, bucket) is sought
+            return q.order_by(r.series_id, r.rank, r.bucket, r.incarnation)
+
+        cols = fetch_chunked(conn, ids, query, ROLLUP_INTEGERS, fixed=len(ranks or ()) + 4)
 
         def exact(sid: int, bucket: int) -> Buckets:
             if level == 0:
@@ -140,3 +148,101 @@ def read_columns(
     per_column = -(-(last - first + 1) // columns)
     cells = read(conn, [sid], first * width, last * width + width - 1, level)
     return coarsen(cells, per_column, offset=first), first * width, per_column * width
+
+
+def read_span(conn: Connection, ids: list[int], first_step: int, last_step: int) -> Buckets:
+    """Per (series, rank), the figures of exactly steps first_step..last_step (`bucket` 0): the whole
+    level-0 buckets inside it taken as the fewest whole buckets of any level (at most two per level,
+    as in a segment tree), the steps of the partial buckets at its ends from the raw points (at most
+    2 x 63 steps per rank)."""
+    ranks = run_ranks(conn, run_ids_of(conn, ids))
+    mark = rolled_to(conn, ids)
+    lo, hi = -(-first_step // BUCKET_STEPS), (last_step + 1) // BUCKET_STEPS  # whole level-0 buckets lo..hi-1
+    if lo >= hi:
+        parts = [from_points(conn, ids, first_step, last_step, False, BUCKET_STEPS)]
+    else:
+        parts = [
+            from_points(conn, ids, first_step, lo * BUCKET_STEPS - 1, False, BUCKET_STEPS),
+            from_points(conn, ids, hi * BUCKET_STEPS, last_step, False, BUCKET_STEPS),
+        ]
+        level = 0
+        while lo < hi:
+            if level == LEVELS - 1:
+                parts.append(_read_level(conn, ids, level, lo, hi - 1, mark, ranks))
+                break
+            if lo % 2:
+                parts.append(_read_level(conn, ids, level, lo, lo, mark, ranks))
+                lo += 1
+            if hi % 2:
+                hi -= 1
+                parts.append(_read_level(conn, ids, level, hi, hi, mark, ranks))
+            lo, hi, level = lo // 2, hi // 2, level + 1
+    cells = merge(*parts)
+    return coarsen(_at(cells, 0), 2)
+
+
+def _at(cells: Buckets, bucket: int) -> Buckets:
+    """`cells` with every bucket number set to `bucket`."""
+    return Buckets(
+        cells.series_id,
+        cells.rank,
+        np.full_like(cells.bucket, bucket),
+        *(getattr(cells, f) for f in Buckets.__slots__[3:]),
+    )
+
+
+def read_range(
+    conn: Connection, sid: int, first_step: int, last_step: int, columns: int
+) -> tuple[Buckets, int, int]:
+    """As `read_columns`, but the first and the last column hold only the steps from first_step and
+    up to last_step (summed by `read_span`), not the whole buckets around them."""
+    level = column_level(first_step, last_step, columns)
+    width = level_steps(level)
+    first, last = first_step // width, last_step // width
+    per_column = -(-(last - first + 1) // columns)
+    whole_lo = first if first_step == first * width else first + 1
+    whole_hi = last if last_step == last * width + width - 1 else last - 1
+    parts = []
+    if whole_lo <= whole_hi:
+        parts.append(read(conn, [sid], whole_lo * width, whole_hi * width + width - 1, level))
+    if first == last and whole_lo > whole_hi:
+        parts.append(_at(read_span(conn, [sid], first_step, last_step), first))
+    else:
+        if whole_lo > first:
+            parts.append(_at(read_span(conn, [sid], first_step, first * width + width - 1), first))
+        if whole_hi < last:
+            parts.append(_at(read_span(conn, [sid], last * width, last_step), last))
+    cells = merge(*parts) if parts else empty()
+    return coarsen(cells, per_column, offset=first), first * width, per_column * width
+
+
+def rank_curves(
+    conn: Connection, sid: int, first_step: int, last_step: int, max_points: int
+) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """Per rank of series `sid`, (rank, steps, values) over first_step..last_step in at most
+    `max_points` points, from the rank rollups (`read_range` in max_points / 2 columns): each column's
+    lowest value at its first step and its highest at its middle step (one point where they are
+    equal), NaN as the highest where the column holds a non-finite value, as the mean curve does.
+    The extremes are exact, their steps are those of their column."""
+    cells, start_step, width = read_range(conn, sid, first_step, last_step, max(1, max_points // 2))
+    if cells.n.size == 0:
+        return []
+    start = np.maximum(first_step, start_step + cells.bucket * width)
+    end = np.minimum(last_step, start_step + (cells.bucket + 1) * width - 1)
+    bad = cells.nonfinite > 0
+    high = np.where(bad, np.nan, cells.hi)
+    single = (cells.n == 0) | (end == start) | (~bad & (cells.lo == cells.hi))
+    steps = np.stack([start, start + np.maximum(1, (end - start + 1) // 2)], axis=1).reshape(-1)
+    values = np.stack([np.where(single & bad, np.nan, cells.lo), high], axis=1).reshape(-1)
+    keep = np.stack([np.ones_like(single), ~single], axis=1).reshape(-1)
+    rank_of = np.repeat(cells.rank, 2)[keep]
+    steps, values = steps[keep], values[keep]
+    bounds = np.flatnonzero(rank_of[1:] != rank_of[:-1]) + 1
+    return [
+        (int(rank_of[a]), steps[a:b], values[a:b])
+        for a, b in zip(
+            np.concatenate([[0], bounds]).tolist(),
+            np.concatenate([bounds, [rank_of.size]]).tolist(),
+            strict=True,
+        )
+    ]

@@ -12,8 +12,19 @@ values (series x ranks x steps) is done in slices of whole 64-step buckets, one 
 (the rest stays dirty, due at once), so a backlog never holds the write lock long.
 Reads take the raw points above the watermark, so a view is complete while the worker lags.
 
-A run whose rollups fail to write stays dirty and is retried the next round (logged once, counted).
-At stop the thread rolls up what is dirty for at most `STOP_DEADLINE_S`.
+A roll-up that fails (a database error, a value that breaks a statement, a bug of ours) is not
+retried every round: the run waits `RETRY_FIRST_S`, doubled per failure up to `RETRY_MAX_S`, and is
+then rolled up one bucket (64 steps) per transaction up to the end of the range that failed, so
+that what fails is narrowed to its buckets and the rest is rolled up. A bucket that fails
+`MAX_ROUND_FAILURES` times in a row is given up (`rollups.skip`): reported once in the log with its
+error and extent and counted (`stepwatch_rollup_skipped_ranges_total`); its rollup rows are deleted,
+the watermark passes it and the run's later steps are rolled up. The views read from rollups (the
+mean curve, the amax, a long run's heatmap, `rank=all` over a wide range) leave the skipped steps
+out (a gap where a point or column holds nothing else); their raw points are kept, and a later
+batch for those steps has them rolled up again.
+A lost connection counts toward the backoff only, and a range is skipped only when the skip itself
+commits: a database that cannot be written is waited out, not skipped past.
+At stop the thread rolls up what is dirty for at most `STOP_DEADLINE_S` (not the runs backing off).
 """
 
 from __future__ import annotations
@@ -24,10 +35,13 @@ import threading
 import time
 from dataclasses import dataclass
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine, select
+from sqlalchemy.exc import DBAPIError
 
-from stepwatch_server.runs.rollups import roll_up
+from stepwatch_server.metrics import rollup_failed, rollup_skipped
+from stepwatch_server.runs import rollups
 from stepwatch_server.storage.engine import write_transaction
+from stepwatch_server.storage.models import Run
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +51,10 @@ MAX_LAG_S = 3.0  # ... or once it has been dirty this long
 MAX_VALUES_PER_ROUND = 2_000_000  # per run and transaction: about the most values one roll-up reads
 STOP_DEADLINE_S = 5.0
 BACKLOG_PAUSE_S = 0.02  # between the slices of a long range, so ingest's writes get the lock
+RETRY_FIRST_S = 1.0  # a run whose roll-up failed waits this long, doubled per failure ...
+RETRY_MAX_S = 60.0  # ... up to this
+MAX_ROUND_FAILURES = 5  # failures in a row of the same bucket before it is skipped
+MAX_ERROR_CHARS = 300  # of a database error in the log (its statement can name 70,000 ids)
 
 
 @dataclass(slots=True)
@@ -47,13 +65,30 @@ class _Dirty:
     touched: float  # monotonic time of the last hand-over
 
 
+@dataclass(slots=True)
+class _Trouble:
+    """A run whose roll-up failed: rolled up one bucket per transaction up to `until`."""
+
+    until: int  # the last step of the range that failed first
+    first: int  # the first step of the last failed round
+    failures: int  # failures in a row of the round starting at `first`
+    retry_at: float  # monotonic time of the next try
+
+
 class RollupWorker:
     """Dirty step ranges per run in, rollups recomputed on one thread. `submit` never blocks."""
 
-    def __init__(self, engine: Engine, max_values_per_round: int = MAX_VALUES_PER_ROUND) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        max_values_per_round: int = MAX_VALUES_PER_ROUND,
+        retry_first_s: float = RETRY_FIRST_S,
+    ) -> None:
         self.db = engine
         self.max_values_per_round = max_values_per_round
+        self.retry_first_s = retry_first_s
         self._dirty: dict[int, _Dirty] = {}  # run id -> its steps not rolled up yet
+        self._trouble: dict[int, _Trouble] = {}  # run id -> its failing range (the thread's own)
         self._force = False  # the next round takes every dirty range (wait_idle, stop)
         self._lock = threading.Lock()
         self._wake = threading.Event()  # a round is due now (stop, flush)
@@ -64,6 +99,7 @@ class RollupWorker:
         self._deadline_s = STOP_DEADLINE_S
         self.rolled_ranges = 0
         self.errors = 0
+        self.skipped_ranges = 0
         self._warned = False
 
     # -- life cycle -----------------------------------------------------------------------------
@@ -123,12 +159,22 @@ class RollupWorker:
         while True:
             if self._stop.is_set() and stop_at is None:
                 stop_at = time.monotonic() + self._deadline_s
-            if stop_at is not None and (not self._dirty or time.monotonic() > stop_at):
+            if stop_at is not None and (not self._due_any() or time.monotonic() > stop_at):
                 break
             if stop_at is None:
                 self._wake.wait(ROUND_INTERVAL_S)
                 self._wake.clear()
             self._round()
+
+    def _due_any(self) -> bool:
+        """Whether a dirty run is not waiting out a failure's backoff."""
+        now = time.monotonic()
+        with self._lock:
+            return any(not self._backing_off(run_id, now) for run_id in self._dirty)
+
+    def _backing_off(self, run_id: int, now: float) -> bool:
+        trouble = self._trouble.get(run_id)
+        return trouble is not None and trouble.retry_at > now
 
     def _round(self) -> None:
         now = time.monotonic()
@@ -137,40 +183,102 @@ class RollupWorker:
             due = [
                 run_id
                 for run_id, d in self._dirty.items()
-                if force or now - d.touched >= QUIET_S or now - d.since >= MAX_LAG_S
+                if (force or now - d.touched >= QUIET_S or now - d.since >= MAX_LAG_S)
+                and not self._backing_off(run_id, now)
             ]
             todo = {run_id: (self._dirty[run_id].first, self._dirty[run_id].last) for run_id in due}
             for run_id in due:
                 del self._dirty[run_id]
             self._busy = bool(todo)
-        failed = backlog = False
+        backlog = False
         for run_id, (first, last) in sorted(todo.items()):
-            try:
-                with write_transaction(self.db) as conn:
-                    upto = roll_up(conn, run_id, first, last, self.max_values_per_round)
-            except Exception:
-                self._failed(run_id)
-                upto, failed = first - 1, True  # the whole range stays dirty
-            else:
-                self.rolled_ranges += 1
+            upto = self._roll_up(run_id, first, last)
             if upto < last:
-                self._widen(run_id, upto + 1, last, -math.inf)  # due again at once
+                self._widen(run_id, upto + 1, last, -math.inf)  # due again at once (or after its backoff)
                 backlog = True
         with self._lock:
             self._busy = False
-        if failed:
-            time.sleep(ROUND_INTERVAL_S)  # the database failed: do not spin on it
-        elif backlog:
+        if backlog:
             self._wake.set()  # the rest of a long range: the next round at once (after a breath)
             time.sleep(BACKLOG_PAUSE_S)
 
-    def _failed(self, run_id: int) -> None:
+    def _roll_up(self, run_id: int, first: int, last: int) -> int:
+        """Roll up steps first..last of run `run_id` (as much as one round takes); the last step done,
+        first - 1 if none. A run in trouble goes one bucket per round until past its failed range."""
+        trouble = self._trouble.get(run_id)
+        max_values = self.max_values_per_round if trouble is None else 0  # 0: one bucket
+        planned: rollups.Round | None = None
+        try:
+            with write_transaction(self.db) as conn:
+                planned = rollups.plan(conn, run_id, first, last, max_values)
+                rollups.apply(conn, planned)
+        except Exception as exc:
+            return self._failed(run_id, first, planned, exc)
+        self.rolled_ranges += 1
+        if trouble is not None:
+            if planned.last_step >= trouble.until:
+                del self._trouble[run_id]  # past the range that failed: whole rounds again
+            elif planned.first <= trouble.first <= planned.last_step:
+                trouble.failures = 0  # what failed went through (another bucket's success does not count)
+        return planned.last_step
+
+    def _failed(self, run_id: int, first: int, planned: rollups.Round | None, exc: Exception) -> int:
+        """Count a failed round, back off, and after MAX_ROUND_FAILURES of the same one skip it: the
+        last step given up, or first - 1 (still dirty)."""
         self.errors += 1
+        rollup_failed()
         if not self._warned:
             self._warned = True
-            log.exception(
-                "rollups: run %d failed to roll up; retried next round (further failures counted)", run_id
+            log.warning(
+                "rollups: run %d failed to roll up (%s); retried with backoff, skipped after %d failures "
+                "in a row (further failures counted)",
+                run_id,
+                _error(exc),
+                MAX_ROUND_FAILURES,
             )
+        start = first if planned is None else planned.first
+        trouble = self._trouble.get(run_id)
+        if trouble is None:
+            until = first if planned is None else planned.last_step
+            trouble = self._trouble[run_id] = _Trouble(until, start, 0, 0.0)
+        elif trouble.first != start:
+            trouble.first, trouble.failures = start, 0
+        lost_connection = isinstance(exc, DBAPIError) and exc.connection_invalidated
+        if not lost_connection:  # an outage is waited out, never skipped
+            trouble.failures += 1
+        if planned is not None and trouble.failures >= MAX_ROUND_FAILURES and self._skip(planned, exc):
+            if planned.last_step >= trouble.until:
+                del self._trouble[run_id]
+            else:
+                trouble.failures, trouble.retry_at = 0, 0.0
+            return planned.last_step
+        backoff_s = self.retry_first_s * 2 ** max(0, trouble.failures - 1)
+        trouble.retry_at = time.monotonic() + min(RETRY_MAX_S, backoff_s)
+        return first - 1
+
+    def _skip(self, planned: rollups.Round, exc: Exception) -> bool:
+        """Give up on `planned` (`rollups.skip`) and report it; False when that failed too."""
+        try:
+            with write_transaction(self.db) as conn:
+                name = conn.execute(select(Run.name).where(Run.id == planned.run_id)).scalar()
+                rollups.skip(conn, planned)
+        except Exception as skip_exc:
+            log.warning(
+                "rollups: run %d: could not skip %s: %s", planned.run_id, planned.extent(), _error(skip_exc)
+            )
+            return False
+        self.skipped_ranges += 1
+        rollup_skipped()
+        log.error(
+            "rollups: gave up on run %r (id %d), %s, after %d failures in a row: %s. Its raw points are "
+            "kept; the views read from rollups leave these steps out until a batch for them arrives.",
+            name,
+            planned.run_id,
+            planned.extent(),
+            MAX_ROUND_FAILURES,
+            _error(exc),
+        )
+        return True
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -178,4 +286,13 @@ class RollupWorker:
                 "dirty_runs": len(self._dirty),
                 "rolled_ranges": self.rolled_ranges,
                 "errors": self.errors,
+                "skipped_ranges": self.skipped_ranges,
+                "backing_off_runs": sum(t.retry_at > time.monotonic() for t in list(self._trouble.values())),
             }
+
+
+def _error(exc: Exception) -> str:
+    """The database's own message (not the statement with its parameters), cut to MAX_ERROR_CHARS."""
+    cause = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
+    message = " ".join(str(cause).split()) or type(cause).__name__
+    return message if len(message) <= MAX_ERROR_CHARS else message[: MAX_ERROR_CHARS - 3] + "..."

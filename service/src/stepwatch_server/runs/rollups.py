@@ -36,6 +36,9 @@ The rollups lag ingest by about a round. `rollup_marks` holds per run the highes
 while the worker catches up. A late batch for steps below the watermark (a slow rank) is in the raw
 series at once and in these views after the worker's next round.
 
+Every statement that names a run's series takes them in chunks (storage/chunks.py), so that no
+statement binds more parameters than a driver allows (psycopg: 65,535), however many series a run has.
+
 This module writes both tables and holds what their reads share; the reads are in
 runs/rank_rollups.py (the heatmaps) and runs/step_rollups.py (the curves and the amax).
 """
@@ -50,6 +53,7 @@ import numpy as np
 from sqlalchemy import Connection, bindparam, func, select, text
 
 from stepwatch_server.runs.queries import read_points
+from stepwatch_server.storage.chunks import chunk_size, chunks
 from stepwatch_server.storage.models import AgentSession, RollupMark, Series
 
 BUCKET_STEPS = 64  # a level-0 rank rollup's bucket; level k's is BUCKET_STEPS << k steps wide
@@ -141,6 +145,8 @@ def level_steps(level: int) -> int:
 
 
 _ROLL = {ranked: _roll_statements(ranked) for ranked in (False, True)}
+_SKIP = {ranked: [_ROLL[ranked][0], _ROLL[ranked][2]] for ranked in (False, True)}  # the DELETEs
+_SCALAR_PARAMS = 8  # the most parameters of a roll-up statement besides its ids and ranks
 _LEVEL_ROLL = {ranked: _level_statements(ranked) for ranked in (False, True)}
 _MARK = text(
     "INSERT INTO rollup_marks (run_id, rolled_to) VALUES (:run, :to) ON CONFLICT (run_id) DO UPDATE SET "
@@ -172,15 +178,42 @@ def run_ranks(conn: Connection, run_ids: list[int]) -> list[int] | None:
     return list(range(count)) if count <= MAX_RANK_LIST else None
 
 
+@dataclass(frozen=True, slots=True)
+class Round:
+    """What one roll-up of a run covers (`plan`): whole buckets from `first`, the watermark raised to
+    `last_step`; `ids` are the run's series, `ranks` its ranks (None: more than MAX_RANK_LIST)."""
+
+    run_id: int
+    first: int  # the first step of the first bucket
+    last_step: int  # the watermark after it
+    mark: int  # the watermark before it
+    ids: list[int]
+    ranks: list[int] | None
+
+    @property
+    def last(self) -> int:
+        """The last step of the last (whole) bucket."""
+        return self.last_step // BUCKET_STEPS * BUCKET_STEPS + BUCKET_STEPS - 1
+
+    def extent(self) -> str:
+        ranks = f"over {MAX_RANK_LIST:,}" if self.ranks is None else f"{len(self.ranks):,}"
+        return f"steps {self.first}..{self.last_step} ({len(self.ids):,} series x {ranks} ranks)"
+
+
 def roll_up(
     conn: Connection, run_id: int, first_step: int, last_step: int, max_values: int = NO_LIMIT
 ) -> int:
     """Recompute run `run_id`'s rollups of the whole buckets holding steps first..last from the raw
-    points: a DELETE and an INSERT ... SELECT ... GROUP BY per table, then the coarser rank rollup
-    levels' whole buckets from the level below (`_roll_levels`). Only as many whole buckets
-    from the first as hold about `max_values` values (series x ranks x steps; at least one bucket)
-    are done. Then raise the run's watermark to the last step done, and return it. Call inside a
-    write transaction.
+    points (`plan`, then `apply`), raise the run's watermark to the last step done, and return it.
+    Call inside a write transaction."""
+    planned = plan(conn, run_id, first_step, last_step, max_values)
+    apply(conn, planned)
+    return planned.last_step
+
+
+def plan(conn: Connection, run_id: int, first_step: int, last_step: int, max_values: int = NO_LIMIT) -> Round:
+    """The round that rolls up steps first..last of run `run_id`: only as many whole buckets from the
+    first as hold about `max_values` values (series x ranks x steps; at least one bucket).
 
     The watermark only ever moves over steps that were rolled up: a range that starts above it
     starts at it instead (the steps between were never handed over, e.g. a collector stopped
@@ -191,18 +224,37 @@ def roll_up(
         mark = min(first_step, int(started.scalar() or first_step)) - 1
     first_step = min(first_step, mark + 1)
     first = first_step // BUCKET_STEPS * BUCKET_STEPS
-    ids = conn.execute(select(Series.id).where(Series.run_id == run_id)).scalars().all()
+    ids = list(conn.execute(select(Series.id).where(Series.run_id == run_id)).scalars().all())
     ranks = run_ranks(conn, [run_id])
     per_bucket = BUCKET_STEPS * max(1, len(ids)) * (MAX_RANK_LIST if ranks is None else max(1, len(ranks)))
     last_step = min(last_step, first + max(1, max_values // per_bucket) * BUCKET_STEPS - 1)
-    if ids:
-        last = last_step // BUCKET_STEPS * BUCKET_STEPS + BUCKET_STEPS - 1
-        ranked, params = ranked_params({"ids": list(ids), "first": first, "last": last}, ranks)
-        for statement in _ROLL[ranked]:
+    return Round(run_id, first, last_step, int(mark), ids, ranks)
+
+
+def apply(conn: Connection, r: Round) -> None:
+    """Round `r`: per chunk of its series (`chunk_size`: within every driver's limit on bind
+    parameters), a DELETE and an INSERT ... SELECT ... GROUP BY per table, then the coarser rank
+    rollup levels' whole buckets from the level below (`_roll_levels`); then the watermark."""
+    _rewrite(conn, r, _ROLL)
+
+
+def skip(conn: Connection, r: Round) -> None:
+    """Give up on round `r` (its roll-up keeps failing): delete the step rollups and the level-0 rank
+    rollups of its buckets, so that the views read from rollups leave those steps out rather than
+    show an older state of them, sum the coarser levels over them again from what is left, and raise
+    the watermark past them so that the run's later steps are rolled up. The raw points are kept."""
+    _rewrite(conn, r, _SKIP)
+
+
+def _rewrite(conn: Connection, r: Round, statements: dict[bool, list[Any]]) -> None:
+    size = chunk_size(conn, fixed=len(r.ranks or ()) + _SCALAR_PARAMS)
+    for part in chunks(r.ids, size):
+        ids = list(part)
+        ranked, params = ranked_params({"ids": ids, "first": r.first, "last": r.last}, r.ranks)
+        for statement in statements[ranked]:
             conn.execute(statement, params)
-        _roll_levels(conn, list(ids), ranks, first, last, max(mark, last_step))
-    conn.execute(_MARK, {"run": run_id, "to": last_step})
-    return last_step
+        _roll_levels(conn, ids, r.ranks, r.first, r.last, max(r.mark, r.last_step))
+    conn.execute(_MARK, {"run": r.run_id, "to": r.last_step})
 
 
 def _roll_levels(
@@ -227,10 +279,9 @@ def _roll_levels(
 def rolled_to(conn: Connection, ids: list[int]) -> int:
     """The lowest watermark of the runs of series `ids`: their rollups hold every step up to it
     (-1: none yet)."""
-    if not ids:
-        return -1
-    mark = conn.execute(_COVERAGE, {"ids": ids}).one()[0]
-    return -1 if mark is None else int(mark)
+    marks = [conn.execute(_COVERAGE, {"ids": part}).one()[0] for part in chunks(ids, chunk_size(conn))]
+    marks = [m for m in marks if m is not None]
+    return int(min(marks)) if marks else -1
 
 
 def raw_points(conn: Connection, ids: list[int], first: int, last: int | None) -> list[Any]:
@@ -342,4 +393,7 @@ def merge(*parts: Buckets) -> Buckets:
 
 
 def run_ids_of(conn: Connection, ids: list[int]) -> list[int]:
-    return list(conn.execute(select(Series.run_id).where(Series.id.in_(ids)).distinct()).scalars().all())
+    found: set[int] = set()
+    for part in chunks(ids, chunk_size(conn)):
+        found.update(conn.execute(select(Series.run_id).where(Series.id.in_(part)).distinct()).scalars())
+    return sorted(found)

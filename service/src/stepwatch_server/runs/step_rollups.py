@@ -3,12 +3,14 @@ every rank, and the curves grouped into at most `max_points / 2` groups that kee
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from sqlalchemy import Connection, literal, select
 
-from stepwatch_server.runs.queries import fetch_columns
+from stepwatch_server.runs.queries import fetch_chunked
 from stepwatch_server.runs.rollups import (
     ALL_RANKS,
     NO_LIMIT,
@@ -26,6 +28,7 @@ from stepwatch_server.runs.rollups import (
     run_ids_of,
     run_ranks,
 )
+from stepwatch_server.storage.chunks import chunk_size, chunks
 from stepwatch_server.storage.models import StepRollup
 
 
@@ -36,14 +39,18 @@ def read_steps(conn: Connection, ids: list[int], from_step: int | None, to_step:
         return empty()
     cut = rolled_to(conn, ids) + 1
     r = StepRollup
-    query = select(
-        r.series_id, literal(ALL_RANKS), r.step, r.incarnation, r.n, r.total, r.lo, r.hi, r.nonfinite
-    ).where(r.series_id.in_(ids), r.step < cut)
-    if from_step is not None:
-        query = query.where(r.step >= from_step)
-    if to_step is not None:
-        query = query.where(r.step <= to_step)
-    cols = fetch_columns(conn, query.order_by(r.series_id, r.step, r.incarnation), ROLLUP_INTEGERS)
+
+    def query(part: Sequence[int]) -> Any:
+        q = select(
+            r.series_id, literal(ALL_RANKS), r.step, r.incarnation, r.n, r.total, r.lo, r.hi, r.nonfinite
+        ).where(r.series_id.in_(part), r.step < cut)
+        if from_step is not None:
+            q = q.where(r.step >= from_step)
+        if to_step is not None:
+            q = q.where(r.step <= to_step)
+        return q.order_by(r.series_id, r.step, r.incarnation)
+
+    cols = fetch_chunked(conn, ids, query, ROLLUP_INTEGERS, fixed=4)
     rolled = resolve(cols, lambda sid, step: from_points(conn, [sid], step, step, True, 1))
     tail_first = max(cut, from_step or 0)
     if to_step is not None and tail_first > to_step:
@@ -115,11 +122,14 @@ def step_range(
         return None
     mark = rolled_to(conn, ids)
     first, last = from_step or 0, NO_LIMIT if to_step is None else to_step
-    found = [conn.execute(_RANGE_QUERY, {"ids": ids, "first": first, "last": min(last, mark)}).one()]
-    if last > mark:
-        ranks = run_ranks(conn, run_ids_of(conn, ids))
-        ranked, params = ranked_params({"ids": ids, "first": max(first, mark + 1), "last": last}, ranks)
-        found.append(conn.execute(_RAW_RANGE[ranked], params).one())
+    ranks = run_ranks(conn, run_ids_of(conn, ids)) if last > mark else None
+    found = []
+    for part in chunks(ids, chunk_size(conn, fixed=len(ranks or ()) + 4)):
+        params = {"ids": list(part), "first": first, "last": min(last, mark)}
+        found.append(conn.execute(_RANGE_QUERY, params).one())
+        if last > mark:
+            ranked, params = ranked_params({**params, "first": max(first, mark + 1), "last": last}, ranks)
+            found.append(conn.execute(_RAW_RANGE[ranked], params).one())
     found = [f for f in found if f[0] is not None]
     if not found:
         return None
@@ -141,8 +151,10 @@ def across_ranks(
     per = 1 if span <= max_points else -(-span // max(1, max_points // 2))
     mark = rolled_to(conn, ids)
     tail_group = (mark + 1 - first) // per if mark < last else None  # the first group above the watermark
-    params = {"ids": ids, "first": first, "last": min(last, mark), "per": per}
-    rows = conn.execute(_GROUPS_QUERY, params).all() if mark >= first else []
+    rows: list[Any] = []
+    for part in chunks(ids, chunk_size(conn, fixed=4)) if mark >= first else ():
+        params = {"ids": list(part), "first": first, "last": min(last, mark), "per": per}
+        rows += conn.execute(_GROUPS_QUERY, params).all()
     parts: list[tuple[np.ndarray, ...]] = []
     if rows:
         cols = list(zip(*rows, strict=True))
