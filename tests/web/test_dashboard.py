@@ -149,6 +149,20 @@ def test_clicking_the_spike_zooms_every_chart_to_it(report: dict[str, Any]) -> N
     assert f"highlighting rank {STRAGGLER_RANK}" in report["highlight"], report["highlight"]
 
 
+def test_an_anomaly_link_opened_ten_times_zooms_every_chart_and_both_heatmaps_each_time(
+    report: dict[str, Any],
+) -> None:
+    """A slow full-range heatmap answer no longer overwrites the zoomed one (answers for another range are
+    dropped): every time, both heatmaps cover only the steps the charts show."""
+    assert len(report["reopened"]) == 10
+    for view in report["reopened"]:
+        assert view["charts"] and all(lo <= SPIKE_STEP <= hi < lo + STEPS / 5 for lo, hi in view["charts"]), view
+        lo, hi = view["charts"][0]
+        assert len(view["heatmaps"]) == 2, view
+        for first, last in view["heatmaps"]:
+            assert lo - STEPS / 50 <= first <= SPIKE_STEP <= last <= hi + STEPS / 50, view
+
+
 def test_a_new_step_arrives_live_within_two_seconds(report: dict[str, Any]) -> None:
     live = report["live"]
     assert live["after"] is not None, live

@@ -31,6 +31,9 @@ export class Heatmap {
 
   setData(data) {
     this.data = data;
+    const steps = data?.steps ?? [];
+    this.canvas.dataset.firstStep = steps.length ? String(steps[0]) : "";
+    this.canvas.dataset.lastStep = steps.length ? String(steps.at(-1) + (data.bucket_steps ?? 1) - 1) : "";
     this.draw();
   }
 

@@ -152,22 +152,29 @@ export function renderRun(main, run) {
 
   // -- heatmaps and amax ------------------------------------------------------------------------------
   const rangeParams = () => (group.range ? { from_step: Math.max(0, Math.floor(group.range[0])), to_step: Math.ceil(group.range[1]) } : {});
+  // Answers come back in any order: one asked for a range the page no longer shows (a slow full-range
+  // heatmap after a zoom) is dropped, so the newest range always wins.
+  const rangeKey = () => JSON.stringify(rangeParams());
+  const forRange = (promise, apply) => {
+    const asked = rangeKey();
+    return promise.then((d) => { if (state.alive && rangeKey() === asked) apply(d); });
+  };
 
   async function loadHeatmaps(metrics) {
     const jobs = [];
     if (metrics.includes(state.phase)) {
-      jobs.push(getJson(`${path}/heatmap`, { metric: state.phase, mode: "median", buckets: HEATMAP_BUCKETS, ...rangeParams() }).then((d) => heat.setData(d)));
+      jobs.push(forRange(getJson(`${path}/heatmap`, { metric: state.phase, mode: "median", buckets: HEATMAP_BUCKETS, ...rangeParams() }), (d) => heat.setData(d)));
     } else heat.setData(null);
     const memory = MEMORY.find((m) => metrics.includes(m.metric));
     if (memory) {
       memNote.textContent = `${memory.label}; each cell the peak of its steps`;
-      jobs.push(getJson(`${path}/heatmap`, { metric: memory.metric, mode: "absolute", buckets: HEATMAP_BUCKETS, ...rangeParams() }).then((d) => mem.setData(d)));
+      jobs.push(forRange(getJson(`${path}/heatmap`, { metric: memory.metric, mode: "absolute", buckets: HEATMAP_BUCKETS, ...rangeParams() }), (d) => mem.setData(d)));
     } else mem.setData(null);
     await Promise.all(jobs);
   }
 
   async function loadAmax() {
-    amax.show(await getJson(`${path}/amax`, { max_points: MAX_POINTS, ...rangeParams() }));
+    await forRange(getJson(`${path}/amax`, { max_points: MAX_POINTS, ...rangeParams() }), (d) => amax.show(d));
   }
 
   function refreshSlow() {
