@@ -156,7 +156,9 @@ def test_an_anomaly_link_opened_ten_times_zooms_every_chart_and_both_heatmaps_ea
     dropped): every time, both heatmaps cover only the steps the charts show."""
     assert len(report["reopened"]) == 10
     for view in report["reopened"]:
-        assert view["charts"] and all(lo <= SPIKE_STEP <= hi < lo + STEPS / 5 for lo, hi in view["charts"]), view
+        assert view["charts"] and all(lo <= SPIKE_STEP <= hi < lo + STEPS / 5 for lo, hi in view["charts"]), (
+            view
+        )
         lo, hi = view["charts"][0]
         assert len(view["heatmaps"]) == 2, view
         for first, last in view["heatmaps"]:
