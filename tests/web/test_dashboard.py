@@ -47,6 +47,28 @@ SCENARIO = Scenario(
 HEALTHY = Scenario("healthy", 8, 300, seed=3, flush_interval_s=20.0)
 
 
+def session_ends(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What each rank's agent sends at `watch.close()`: a last batch with a session_end event."""
+    last: dict[int, dict[str, Any]] = {}
+    for doc in docs:
+        rank = last.setdefault(doc["rank"], {"doc": doc, "step": 0, "ts": 0.0})
+        rank["doc"] = doc if doc["seq"] >= rank["doc"]["seq"] else rank["doc"]
+        rank["step"] = max([rank["step"], *doc["steps"]])
+        rank["ts"] = max([rank["ts"], *doc["timestamps"]])
+    return [
+        {
+            **{k: v for k, v in r["doc"].items() if k in ("schema", "run", "session", "rank", "world_size")},
+            "seq": r["doc"]["seq"] + 1,
+            "steps": [],
+            "timestamps": [],
+            "events": [
+                {"step": r["step"], "ts": r["ts"] + 0.1, "kind": "session_end", "data": {"reason": "close"}}
+            ],
+        }
+        for r in last.values()
+    ]
+
+
 def _before_live(doc: dict[str, Any]) -> bool:
     return not doc.get("steps") or max(doc["steps"]) < LIVE_FROM_STEP
 
@@ -62,7 +84,9 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     collector = Collector(f"sqlite:///{tmp / 'stepwatch.db'}", free_port(), tmp / "collector.log").start()
     client = Client(collector.url)
     try:
-        Feeder(client, HEALTHY_RUN).send(Simulation(HEALTHY))
+        healthy = list(Simulation(HEALTHY))
+        ends = session_ends(healthy)  # before sending: the feeder renames the sessions as it sends
+        Feeder(client, HEALTHY_RUN).send(healthy + ends)  # a finished run: every rank closed its session
         feeder = Feeder(client, RUN)
         batches = iter(Simulation(SCENARIO))
         pending: list[dict[str, Any]] = []
@@ -115,6 +139,13 @@ def test_runs_page_lists_the_run_with_a_warning_verdict(report: dict[str, Any]) 
     assert runs["verdict"] == "warning", runs
     assert "warning" in runs["text"] and "16" in runs["text"], runs  # the verdict in words, the world size
     assert runs["verdicts"] == {RUN: "warning", HEALTHY_RUN: "ok"}, runs
+
+
+def test_a_finished_run_says_finished_and_for_how_long_not_a_step_rate(report: dict[str, Any]) -> None:
+    pace = report["runsPage"]["pace"]
+    assert pace[HEALTHY_RUN].startswith("finished after "), pace
+    assert "steps/s" in pace[RUN] or "s/step" in pace[RUN], pace  # still running
+    assert report["runsPage"]["livePills"] == [RUN], report["runsPage"]
 
 
 def test_run_page_draws_every_chart(report: dict[str, Any]) -> None:

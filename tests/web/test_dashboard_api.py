@@ -61,6 +61,36 @@ def test_overview_heatmap_and_amax(collector: Collector) -> None:
     assert layer0["latest"] == 7 + 0 + 40 % 5  # the last step's, not the last group's maximum
 
 
+def test_a_run_whose_every_rank_closed_its_session_is_finished_with_its_duration(
+    collector: Collector,
+) -> None:
+    """A finished run looked live ("117 steps/s" 16 minutes after it ended): once every rank's agent has
+    said session_end after its last step, the overview says finished, and for how long it ran."""
+    sessions = [session() for _ in range(2)]
+    started = time.monotonic()
+    for rank, sid in enumerate(sessions):
+        doc = batch("done", sid, 0, rank, 2, list(range(1, 31)), loss=[2.0] * 30)
+        assert collector.post(doc).status_code == 200
+
+    def row() -> dict[str, Any]:
+        return next(r for r in collector.get("/api/v1/dashboard/runs")["runs"] if r["name"] == "done")
+
+    assert row()["finished"] is False and row()["duration_s"] is None
+    end = {"step": 30, "ts": 1_764_427_231.0, "kind": "session_end", "data": {"reason": "close"}}
+    first = batch("done", sessions[0], 1, 0, 2, [])
+    assert collector.post({**first, "events": [end]}).status_code == 200
+    assert row()["finished"] is False  # one rank of two: still running
+    last = batch("done", sessions[1], 1, 1, 2, [])
+    assert collector.post({**last, "events": [end]}).status_code == 200
+    took = time.monotonic() - started
+    done = row()
+    assert done["finished"] is True and done["live"] is False
+    assert 0 <= done["duration_s"] <= took + 1.0  # from its first batch to its last, on the collector's clock
+    more = batch("done", sessions[0], 2, 0, 2, [31], loss=[2.0])  # a step after the end: running again
+    assert collector.post(more).status_code == 200
+    assert row()["finished"] is False
+
+
 def test_heatmap_rejects_a_bad_mode_and_an_unknown_metric(collector: Collector) -> None:
     _run(collector, "dash2", ranks=2, steps=3)
     bad = collector.http.get("/api/v1/runs/dash2/heatmap", params={"metric": "loss", "mode": "mean"})

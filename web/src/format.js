@@ -51,6 +51,21 @@ export function fmtRate(stepsPerS) {
   return stepsPerS >= 1 ? `${fmtNum(stepsPerS)} steps/s` : `${fmtNum(1 / stepsPerS)} s/step`;
 }
 
+/** A duration in words: "45 s", "12 min", "3 h 05 min", "2 d 4 h". */
+export function fmtDuration(seconds) {
+  if (seconds === null || seconds === undefined) return "–";
+  const s = Math.max(0, Math.round(seconds));
+  if (s < 60) return `${s} s`;
+  if (s < 3600) return `${Math.round(s / 60)} min`;
+  if (s < 86400) return `${Math.floor(s / 3600)} h ${String(Math.floor((s % 3600) / 60)).padStart(2, "0")} min`;
+  return `${Math.floor(s / 86400)} d ${Math.floor((s % 86400) / 3600)} h`;
+}
+
+/** The step rate of a running run; "finished after <duration>" for one whose every rank closed its session. */
+export function fmtPace(row) {
+  return row.finished ? `finished after ${fmtDuration(row.duration_s)}` : fmtRate(row.step_rate);
+}
+
 export function fmtAgo(iso) {
   if (!iso) return "–";
   const s = Math.max(0, (Date.now() - Date.parse(iso)) / 1000);

@@ -6,7 +6,7 @@ import { AmaxPanel } from "./amax.js";
 import { anomalyItem } from "./anomalies.js";
 import { finiteOrNull, getJson, runPath } from "./api.js";
 import { ChartGroup, mergeDetail } from "./charts.js";
-import { badge, el, fmtAgo, fmtInt, fmtRate } from "./format.js";
+import { badge, el, fmtAgo, fmtDuration, fmtInt, fmtRate } from "./format.js";
 import { Heatmap } from "./heatmap.js";
 import { subscribe } from "./live.js";
 
@@ -96,7 +96,7 @@ export function renderRun(main, run) {
       el("dl", { class: "stats" },
         stat("World size", fmtInt(r.world_size)),
         stat("Last step", fmtInt(r.last_step), "last-step"),
-        stat("Step rate", fmtRate(r.step_rate)),
+        r.finished ? stat("Finished", `after ${fmtDuration(r.duration_s)}`, "pace") : stat("Step rate", fmtRate(r.step_rate), "pace"),
         stat("Open anomalies", fmtInt(r.open_anomalies)),
         stat("Last seen", `${fmtAgo(r.last_seen_at)}${r.live ? " (live)" : ""}`)),
     );

@@ -2,9 +2,9 @@
 // event stream (each `runs` event carries the rows that changed).
 import { getJson } from "./api.js";
 import { subscribe } from "./live.js";
-import { badge, el, fmtAgo, fmtInt, fmtRate } from "./format.js";
+import { badge, el, fmtAgo, fmtInt, fmtPace } from "./format.js";
 
-const COLUMNS = ["Run", "Health", "World size", "Last step", "Step rate", "Open anomalies", "Last seen"];
+const COLUMNS = ["Run", "Health", "World size", "Last step", "Step rate or duration", "Open anomalies", "Last seen"];
 
 export function renderRuns(main) {
   document.title = "Runs · stepwatch";
@@ -48,7 +48,7 @@ function row(r) {
     el("td", {}, badge(r.verdict)),
     el("td", { class: "num" }, fmtInt(r.world_size)),
     el("td", { class: "num", dataset: { field: "last-step" } }, fmtInt(r.last_step)),
-    el("td", { class: "num" }, fmtRate(r.step_rate)),
+    el("td", { class: "num", dataset: { field: "pace" } }, fmtPace(r)),
     el("td", { class: "num" }, r.open_anomalies ? el("a", { href: `${href}#anomalies`, "data-nav": true }, String(r.open_anomalies)) : "0"),
     el("td", {}, el("time", { datetime: r.last_seen_at ?? "" }, fmtAgo(r.last_seen_at))),
   );

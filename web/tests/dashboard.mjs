@@ -42,6 +42,9 @@ try {
     liveStatus: await page.locator("#live-status").innerText(),
     verdicts: Object.fromEntries(await page.$$eval("tr[data-run]", (rows) =>
       rows.map((r) => [r.dataset.run, r.querySelector("[data-verdict]")?.dataset.verdict]))),
+    pace: Object.fromEntries(await page.$$eval("tr[data-run]", (rows) =>
+      rows.map((r) => [r.dataset.run, r.querySelector('[data-field="pace"]')?.innerText.trim()]))),
+    livePills: await page.$$eval("tr[data-run]", (rows) => rows.filter((r) => r.querySelector(".pill.live")).map((r) => r.dataset.run)),
   };
   await page.waitForFunction(() => document.getElementById("live-status")?.dataset.state === "live", null, { timeout: 10_000 }).catch(() => {});
   await page.screenshot({ path: `${shots}/runs.png` });

@@ -17,7 +17,9 @@ class DashboardRun(RunSummary):
     anomalies: int
     anomalies_updated_at: dt.datetime | None
     step_rate: float | None
-    live: bool
+    live: bool  # heard from in the last 30 s and not finished
+    finished: bool  # every rank's agent closed its session after its last step
+    duration_s: float | None  # finished runs: from the first batch to the last, on the collector's clock
 
 
 class DashboardRunsAnswer(BaseModel):

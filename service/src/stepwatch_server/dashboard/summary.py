@@ -1,8 +1,9 @@
 """The runs overview: every run with its health verdict, size, progress, pace and open anomalies.
 
-Three bulk queries for all runs together (no query per run): the run and rank summary of the read
-API (`runs.queries.run_summaries`), the anomalies grouped by run, status and severity, and the
-recent step timestamps of each run's lowest rank, from which the step rate is taken. The verdict
+Four bulk queries for all runs together (no query per run): the run and rank summary of the read
+API (`runs.queries.run_summaries`), the anomalies grouped by run, status and severity, the
+recent step timestamps of each run's lowest rank, from which the step rate is taken, and the ranks
+whose agent closed its session after its last step (a run all of whose ranks did is finished). The verdict
 follows the health rule of detect/routes.py: the worst severity among the open anomalies.
 """
 
@@ -15,7 +16,7 @@ from sqlalchemy import Connection, and_, func, select
 
 from stepwatch_server.detect.routes import verdict as verdict_of
 from stepwatch_server.runs import queries
-from stepwatch_server.storage.models import Anomaly, Rank, Run, StepRecord
+from stepwatch_server.storage.models import Anomaly, Event, Rank, Run, StepRecord
 
 RATE_WINDOW_STEPS = 100  # the step rate is measured over at most this many recent steps
 LIVE_WINDOW_S = 30.0  # a run heard from within this many seconds is shown as live
@@ -73,18 +74,35 @@ def _step_rates(conn: Connection) -> dict[int, float]:
     }
 
 
+def _ended(conn: Connection) -> dict[int, int]:
+    """Per run, how many ranks' agents closed their session (session_end) at or after the rank's last step,
+    in its current incarnation: a run whose every rank did is finished, not silent."""
+    rows = conn.execute(
+        select(Event.run_id, func.count(func.distinct(Event.rank)).label("n"))
+        .join(
+            Rank,
+            and_(Rank.run_id == Event.run_id, Rank.rank == Event.rank, Rank.incarnation == Event.incarnation),
+        )
+        .where(Event.kind == "session_end", Event.step >= func.coalesce(Rank.last_step, 0))
+        .group_by(Event.run_id)
+    )
+    return {r.run_id: int(r.n) for r in rows}
+
+
 def runs_overview(conn: Connection, name: str | None = None) -> list[dict[str, Any]]:
     """One row per run (or only run `name`), most recently seen first."""
     run_id = None if name is None else queries.find_run(conn, name).id
     ids = {n: i for n, i in conn.execute(select(Run.name, Run.id))} if run_id is None else {name: run_id}
     anomalies = _anomaly_counts(conn)
     rates = _step_rates(conn)
+    ended = _ended(conn)
     now = dt.datetime.now(dt.UTC)
     out = []
     for run in queries.run_summaries(conn, run_id):
         rid = ids[run["name"]]
         counts = anomalies.get(rid, {"open": 0, "total": 0, "severities": [], "updated_at": None})
         seen = run["last_seen_at"]
+        finished = run["ranks"] > 0 and ended.get(rid, 0) >= run["ranks"]
         out.append(
             {
                 **run,
@@ -93,7 +111,10 @@ def runs_overview(conn: Connection, name: str | None = None) -> list[dict[str, A
                 "anomalies": counts["total"],
                 "anomalies_updated_at": counts["updated_at"],
                 "step_rate": rates.get(rid),
-                "live": seen is not None and (now - seen).total_seconds() < LIVE_WINDOW_S,
+                "live": not finished and seen is not None and (now - seen).total_seconds() < LIVE_WINDOW_S,
+                "finished": finished,
+                # How long it ran, from its first batch to its last (the collector's clock): finished runs.
+                "duration_s": (seen - run["created_at"]).total_seconds() if finished and seen else None,
             }
         )
     return out
