@@ -91,6 +91,17 @@ def test_a_run_whose_every_rank_closed_its_session_is_finished_with_its_duration
     assert row()["finished"] is False
 
 
+def test_amax_latest_says_nan_when_the_last_sample_was_nan(collector: Collector) -> None:
+    """After a NaN the panel read "critical - overflows FP8" with no value: `latest` went out as null."""
+    steps = [1, 2, 3]
+    for rank, last in enumerate(["NaN", 5.0]):
+        doc = batch("nan-amax", session(), 0, rank, 2, steps, loss=[2.0] * 3)
+        doc["tensors"] = {"steps": steps, "stats": {"amax": {"fc": [1.0, 2.0, last], "ok": [1.0, 1.0, 1.0]}}}
+        assert collector.post(doc).status_code == 200
+    modules = {m["name"]: m for m in collector.get("/api/v1/runs/nan-amax/amax")["modules"]}
+    assert modules["fc"]["latest"] == "NaN" and modules["ok"]["latest"] == 1.0
+
+
 def test_heatmap_rejects_a_bad_mode_and_an_unknown_metric(collector: Collector) -> None:
     _run(collector, "dash2", ranks=2, steps=3)
     bad = collector.http.get("/api/v1/runs/dash2/heatmap", params={"metric": "loss", "mode": "mean"})

@@ -44,10 +44,17 @@ export class AmaxPanel {
 
 function headroomRow(m, limit) {
   const latest = toNumber(m.latest);
-  const room = latest > 0 ? limit / latest : null;
-  const level = latest === null || !Number.isFinite(latest) || room < 1 ? "critical" : room < TIGHT_HEADROOM ? "warning" : "ok";
-  const words = { critical: "overflows FP8", warning: "under 2 bits of headroom", ok: "fits" }[level];
-  return el("tr", {}, el("th", { scope: "row" }, el("code", {}, m.name)), el("td", { class: "num" }, fmtNum(latest)),
+  const room = latest > 0 && Number.isFinite(latest) ? limit / latest : null;
+  let level;
+  let words;
+  if (latest === null) [level, words] = ["ok", "no sample yet"];
+  else if (Number.isNaN(latest)) [level, words] = ["critical", "NaN: a non-finite output (see the nonfinite anomaly), not an overflow"];
+  else if (!Number.isFinite(latest)) [level, words] = ["critical", "infinite: overflows any format"];
+  else if (room < 1) [level, words] = ["critical", "overflows FP8"];
+  else if (room < TIGHT_HEADROOM) [level, words] = ["warning", "under 2 bits of headroom"];
+  else [level, words] = ["ok", "fits"];
+  const shown = Number.isNaN(latest) ? "NaN" : fmtNum(latest);
+  return el("tr", { dataset: { module: m.name, level } }, el("th", { scope: "row" }, el("code", {}, m.name)), el("td", { class: "num" }, shown),
     el("td", { class: "num" }, room === null ? "–" : `${fmtNum(room)}× (${fmtNum(Math.log2(room), 2)} bits)`),
     el("td", {}, badge(level), ` ${words}`));
 }

@@ -40,7 +40,7 @@ class ModuleAmax(BaseModel):
     name: str
     steps: list[int]
     values: list[Num]
-    latest: float | None
+    latest: Num  # the last sampled step's maximum over ranks ("NaN" after a NaN)
 
 
 class AmaxAnswer(BaseModel):

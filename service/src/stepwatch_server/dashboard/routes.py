@@ -94,7 +94,7 @@ def get_amax(
     for sid, name in ids.items():  # per step (or group of steps): the maximum over ranks
         steps, values = groups.of(sid).peak_curve()
         latest_peak = tail.peak[tail.series_id == sid]
-        latest = float(latest_peak[-1]) if latest_peak.size else None
+        latest = float_list(latest_peak[-1:])[0] if latest_peak.size else None  # NaN as "NaN", not null
         steps, values = downsample(steps, values, max_points)
         modules.append({"name": name, "steps": steps, "values": float_list(values), "latest": latest})
     return json_response({"e4m3_max": E4M3_MAX, "e5m2_max": E5M2_MAX, "modules": modules})
