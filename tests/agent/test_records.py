@@ -226,6 +226,24 @@ def test_phase_and_heartbeat_while_the_training_thread_is_blocked(
     ]
 
 
+def test_a_marked_pause_is_not_counted_in_the_next_steps_data_wait_or_step_time(
+    receiver: Receiver, fast: dict[str, Any]
+) -> None:
+    """An evaluation in `watch.phase("eval")` was counted in the next step's data wait (551 ms at step 201
+    of a user's run): the clock of the next step starts when the pause ends."""
+    model, opt = make_model()
+    watch = stepwatch.attach(model, opt, run="eval-wait", url=receiver.url, **fast)
+    train(model, opt, 5)
+    with watch.phase("eval"):
+        time.sleep(0.4)  # the evaluation
+    train(model, opt, 5)
+    watch.close(timeout_s=5)
+    records = receiver.records()
+    assert sorted(records) == list(range(1, 11))
+    for step in (6, 7):
+        assert records[step]["time.data_ms"] < 200 and records[step]["time.step_ms"] < 200, records[step]
+
+
 def test_fingerprints_agree_between_replicas_and_differ_after_a_bit_flip(
     receiver: Receiver, fast: dict[str, Any]
 ) -> None:

@@ -537,6 +537,8 @@ class Hooks:
         if paused:
             self._finalize()
             self.transfer()
+        elif not self._paused:  # the next step's clock (its data wait, its step time) starts now
+            self._prev_end, self._prev_end_host = self._mark(), _perf()
 
     def drain(self) -> None:
         """At close: hand over every finished step."""
