@@ -48,10 +48,13 @@ class RunDetection:
     def __init__(
         self, run: str, world_size: int, settings: EngineSettings, ctx: RunContext | None = None
     ) -> None:
-        self.ctx = ctx if ctx is not None and ctx.world_size == world_size else RunContext(run, world_size)
-        if ctx is not None and ctx is not self.ctx:  # world size changed: keep the anomalies
-            self.ctx.book = ctx.book
-        self.aligner = Aligner(run, world_size, settings.align_grace_s)
+        if ctx is not None and ctx.world_size == world_size:
+            self.ctx = ctx
+        else:  # rows are added as ranks are heard from, never allocated for the declared world size
+            self.ctx = RunContext(run, world_size, ranks=())
+            if ctx is not None:  # world size changed: keep the anomalies
+                self.ctx.book = ctx.book
+        self.aligner = Aligner(run, world_size, settings.align_grace_s, rows=lambda: self.ctx.ranks)
         classes = [c for c in DETECTORS if settings.kinds is None or c.kind in settings.kinds]
         self.detectors: list[Detector] = [cls(self.ctx, settings.settings_for(cls)) for cls in classes]
         # Ticked after every batch: only the detectors that watch time passing (the others' on_tick is

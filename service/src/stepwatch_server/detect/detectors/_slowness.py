@@ -155,7 +155,8 @@ class RankSlowness:
 
     def __init__(self, ctx: RunContext, s: SlownessSettings) -> None:
         self.ctx, self.s = ctx, s
-        R, P, W = ctx.world_size, len(PHASES), s.window_steps
+        R, P, W = ctx.n_ranks, len(PHASES), s.window_steps
+        self._rows = ctx.ranks  # the rank numbers of the per-rank arrays' rows (see RunContext.carry)
         self.gate = PauseGate(s.skip_after_pause_steps)
         self.node_reporting = False  # set by slow_node: straggler then leaves slow nodes to it
         self._last_frame: StepFrame | None = None
@@ -215,6 +216,7 @@ class RankSlowness:
         if frame is self._last_frame:
             return self._last_judged
         self._last_frame = frame
+        self._rows = self.ctx.carry(self, PER_RANK, self._rows)
         self._refresh_nodes()
         self._last_judged = judged = self._judge(frame)
         return judged
@@ -226,7 +228,7 @@ class RankSlowness:
         cols = [frame.metrics.get(name) for name in PHASE_METRICS]
         if all(c is None for c in cols):
             return False
-        R = self.ctx.world_size
+        R = self.ctx.n_ranks
         raw = np.full((len(PHASES), R), np.nan)
         for p, col in enumerate(cols):
             if col is not None:
@@ -258,7 +260,7 @@ class RankSlowness:
         if table.shape[1] < 3:
             return out
         vals = np.where(table >= 0, ratio[np.maximum(table, 0)], np.nan)
-        big = (self.node_size >= 3) & (2 * self.node_size <= self.ctx.world_size)
+        big = (self.node_size >= 3) & (2 * self.node_size <= self.ctx.n_ranks)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # a node with no data value at this step
             slow = big & (np.nanmedian(vals, axis=1) >= self.s.clip_ratio)
@@ -391,7 +393,7 @@ class RankSlowness:
         self.quiet = np.where(still, 0, self.quiet + 1)
         self._node_verdicts(frame, still)
         # Ranks of a node that looks slow as a whole wait longer to count alone (see module docstring).
-        crowd = np.zeros(self.ctx.world_size, dtype=bool)
+        crowd = np.zeros(self.ctx.n_ranks, dtype=bool)
         known = self.node_of >= 0
         if self.node_size.size:
             frac = self.node_slow_count / np.maximum(self.node_size, 1)
@@ -517,6 +519,31 @@ def _row_median(a: np.ndarray) -> np.ndarray:
         if ok.size:
             out[i, 0] = np.median(ok)
     return out
+
+
+PER_RANK = {  # RankSlowness's per-rank state (rows on the last axis): the fill of a rank heard from later
+    "_log": 0.0,
+    "_raw": np.nan,
+    "_valid": False,
+    "_sum": 0.0,
+    "_sumsq": 0.0,
+    "_count": 0,
+    "mean": 0.0,
+    "base": 0.0,
+    "_learn_sum": 0.0,
+    "_learn_n": 0.0,
+    "z": 0.0,
+    "slow_now": False,
+    "phase": 0,
+    "run": 0,
+    "quiet": 0,
+    "slow": False,
+    "slow_since": -1,
+    "slow_since_ts": np.nan,
+    "_run_step": -1,
+    "_run_ts": np.nan,
+    "node_of": -1,
+}
 
 
 _SHARED: weakref.WeakKeyDictionary[RunContext, dict[SlownessSettings, RankSlowness]] = (

@@ -85,7 +85,7 @@ class SlowNodeDetector(Detector):
         evidence = {
             "node": name,
             "phase": PHASES[phase],
-            "slow_ranks": culprits.tolist(),
+            "slow_ranks": self.ctx.ranks[culprits].tolist(),
             "node_ranks": int(members.size),
             "ratio": round(ratio, 4),
             "ratio_min": round(float(ratios.min()), 4),
