@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from stepwatch_server.detect.activity import CHECKPOINT, stack_activity
 from stepwatch_server.detect.anomalies import AnomalyBook
 from stepwatch_server.ingest.schema import Batch, Heartbeat
+
+if TYPE_CHECKING:
+    from stepwatch_server.detect.detectors._slowness import RankSlowness
 
 MAX_MISSING_RANGES = 16  # ranges of never-heard-from ranks listed (the count is always exact)
 STEP_TIME_WINDOW = 256  # recent steps whose median step time is "the run's typical step time"
@@ -98,6 +101,9 @@ class RunContext:
         self.replica_group[:] = self.ranks  # until the rank says: every rank its own replica
         self.n_paused = 0  # ranks with a phase in `paused` (checked per batch: no scan of the list)
         self.restart_ts = np.nan  # event time of the latest restarted session's first message (any rank)
+        # Which ranks and nodes are slow: computed once per frame for `straggler` and `slow_node` (set by
+        # the detection engine, or by the first of them built by hand; detectors/_slowness.py).
+        self.slowness: RankSlowness | None = None
         self.last_arrival_wall = np.nan  # wall-clock time the run last sent anything
         self._event_now = -np.inf  # the newest step end or heartbeat seen from any rank
         self._step_ms = np.full(STEP_TIME_WINDOW, np.nan)

@@ -36,7 +36,9 @@ slow. A rank whose node has half or more of its ranks slow-now waits another `co
 counts as slow on its own, so that the ranks of a slow node, which cross the bar a few steps apart, are
 reported once for the node rather than first one by one. `straggler` reports slow ranks except those
 of a slow node (when `slow_node` runs), `slow_node` reports slow nodes: both read the one
-`RankSlowness` of the run (`shared_slowness`), which folds in each frame once.
+`RankSlowness` of the run (`ctx.slowness`: the detection engine creates it with one set of settings and
+folds in each frame once, before the detectors), so the split between a slow node and slow ranks is
+decided once, whatever settings each of the two detectors was given (`run_slowness_settings`).
 
 A node's data hiccup is not any rank's pace: at a step where a node of >= 3 ranks (at most half the
 run) waits `clip_ratio` x longer for data as a whole (its ranks' median ratio), its ranks' data values
@@ -65,8 +67,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -84,7 +87,8 @@ RESUM_EVERY = 4096  # pushes between exact recomputations of the running sums (f
 
 @dataclass(frozen=True)
 class SlownessSettings(DetectorSettings):
-    """What makes a rank or a node slow. Shared by `straggler` and `slow_node`: override both alike."""
+    """What makes a rank or a node slow. One set per run for `straggler` and `slow_node` together: a
+    field overridden for either applies to both (`straggler`'s value where both differ)."""
 
     window_steps: int = 40  # judged steps averaged: beats 10% per-step noise, finds 10% in < 50 steps
     min_ratio: float = 1.05  # persistent slowdown below 5% is within GPU-to-GPU spread
@@ -158,7 +162,7 @@ class RankSlowness:
         R, P, W = ctx.n_ranks, len(PHASES), s.window_steps
         self._rows = ctx.ranks  # the rank numbers of the per-rank arrays' rows (see RunContext.carry)
         self.gate = PauseGate(s.skip_after_pause_steps)
-        self.node_reporting = False  # set by slow_node: straggler then leaves slow nodes to it
+        self.node_reporting = False  # slow_node runs: straggler leaves slow nodes to it
         self._last_frame: StepFrame | None = None
         self._last_judged = False
         self._clip = math.log(s.clip_ratio)
@@ -521,6 +525,27 @@ def _row_median(a: np.ndarray) -> np.ndarray:
     return out
 
 
+def run_slowness_settings(
+    defaults: Mapping[str, DetectorSettings], overrides: Mapping[str, Mapping[str, Any]]
+) -> tuple[SlownessSettings, list[str]]:
+    """The one set of slowness settings of a run: each shared field as `straggler` or `slow_node`
+    overrides it (`straggler` wins where both do, differently), else the default. `defaults` maps the
+    kinds that run to their settings. Returns the settings and the conflicts, one line each."""
+    names = [f.name for f in dataclasses.fields(SlownessSettings)]
+    values: dict[str, Any] = {}
+    conflicts = []
+    for kind in ("slow_node", "straggler"):  # straggler last: it wins a conflict
+        if kind not in defaults:
+            continue
+        for name in names:
+            if name in overrides.get(kind, {}):
+                value = getattr(defaults[kind], name)
+                if name in values and values[name] != value:
+                    conflicts.append(f"{name}: slow_node {values[name]!r}, straggler {value!r} (used)")
+                values[name] = value
+    return SlownessSettings(**values), conflicts
+
+
 PER_RANK = {  # RankSlowness's per-rank state (rows on the last axis): the fill of a rank heard from later
     "_log": 0.0,
     "_raw": np.nan,
@@ -546,16 +571,12 @@ PER_RANK = {  # RankSlowness's per-rank state (rows on the last axis): the fill 
 }
 
 
-_SHARED: weakref.WeakKeyDictionary[RunContext, dict[SlownessSettings, RankSlowness]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def shared_slowness(ctx: RunContext, settings: DetectorSettings) -> RankSlowness:
-    """The run's one RankSlowness for these shared settings (created on first use)."""
-    s = slowness_settings(settings)
-    per_ctx = _SHARED.setdefault(ctx, {})
-    tracker = per_ctx.get(s)
-    if tracker is None:
-        tracker = per_ctx[s] = RankSlowness(ctx, s)
+def run_slowness(ctx: RunContext, settings: DetectorSettings, node_reporting: bool = False) -> RankSlowness:
+    """The run's one RankSlowness (`ctx.slowness`). The detection engine creates it with the run's
+    settings before the detectors; a detector built by hand on a bare context creates it on first
+    use, with its own settings."""
+    if ctx.slowness is None:
+        ctx.slowness = RankSlowness(ctx, slowness_settings(settings))
+    tracker: RankSlowness = ctx.slowness
+    tracker.node_reporting |= node_reporting
     return tracker

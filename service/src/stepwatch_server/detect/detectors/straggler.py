@@ -37,7 +37,7 @@ from stepwatch_server.detect.detectors._slowness import (
     PHASE_METRICS,
     PHASES,
     SlownessSettings,
-    shared_slowness,
+    run_slowness,
 )
 from stepwatch_server.detect.frames import StepFrame
 
@@ -56,7 +56,7 @@ class StragglerDetector(Detector):
     def __init__(self, ctx: RunContext, settings: DetectorSettings) -> None:
         super().__init__(ctx, settings)
         self.s = cast(StragglerSettings, settings)
-        self.slowness = shared_slowness(ctx, settings)
+        self.slowness = run_slowness(ctx, settings)
 
     def on_frame(self, frame: StepFrame) -> None:
         sl = self.slowness
