@@ -58,7 +58,8 @@ class NonFiniteSettings(DetectorSettings):
     all_ranks_fraction: float = 0.9  # culprits covering this share of the ranks: run-wide
 
 
-PER_RANK = {"_had_loss": False, "_clean": 0}  # per-rank state: fill for a rank heard from later
+# Per-rank state: the fill of a rank heard from later (-1: set to the frames seen, as if it had a row then).
+PER_RANK = {"_had_loss": False, "_clean": -1}
 
 
 class NonFiniteDetector(Detector):
@@ -73,6 +74,7 @@ class NonFiniteDetector(Detector):
         self._had_loss = np.zeros(n, dtype=bool)  # the rank has reported a finite loss before
         self._clean = np.zeros(n, dtype=np.int64)  # per rank: clean frames since the last bad one
         self._clean_run = 0  # ... for the run-wide anomaly
+        self._frames = 0  # frames seen: the clean count of a rank never bad (or not heard from yet)
         self._grads_streak = 0  # gradient-only overflows in a row that the optimizer still applied
         self._skip_streak = 0  # steps in a row the grad scaler skipped
         self._modules: dict[str, str | None] = {}  # open key -> first module seen (events come once)
@@ -81,6 +83,7 @@ class NonFiniteDetector(Detector):
     # -- per step ----------------------------------------------------------------------------------
     def on_frame(self, frame: StepFrame) -> None:
         self._rows = self.ctx.carry(self, PER_RANK, self._rows)
+        self._clean[self._clean < 0] = self._frames
         n = frame.world_size
         loss = frame.metrics.get("loss")
         bad_loss = self._flag(frame, "nonfinite.loss")
@@ -245,11 +248,14 @@ class NonFiniteDetector(Detector):
     def _resolve_cleared(self, frame: StepFrame, bad_keys: set[str]) -> None:
         self._clean += 1
         self._clean_run += 1
+        self._frames += 1
         for anomaly in self.ctx.book.open_of(KIND):
             if anomaly.key in bad_keys:
                 continue
             row = None if anomaly.rank is None else self.ctx.row_of(anomaly.rank)
-            clean = self._clean_run if anomaly.rank is None else self._clean[row] if row is not None else 0
+            clean = (
+                self._clean_run if anomaly.rank is None else self._frames if row is None else self._clean[row]
+            )
             if clean >= self.s.clear_steps:
                 self.ctx.book.resolve(
                     KIND, anomaly.key, step=frame.step, ts=frame.ts,
