@@ -8,7 +8,7 @@ from typing import Any
 
 from stepwatch_server.detect import Anomaly, DetectionEngine
 from stepwatch_server.ingest.validate import MAX_WORLD_SIZE
-from stepwatch_server.simulate import Simulation, Straggler
+from stepwatch_server.simulate import Hang, Scenario, Simulation, Straggler
 from tests.detect.helpers import detect_docs, scenario
 
 KINDS = ("straggler", "slow_node", "hang", "nonfinite", "memory_leak")
@@ -23,8 +23,10 @@ def feed(docs: list[dict[str, Any]]) -> tuple[DetectionEngine, list[Anomaly]]:
     return detect_docs(docs, KINDS)
 
 
-def docs(world: int | None = None, late: int | None = None) -> list[dict[str, Any]]:
-    sc = scenario(
+def docs(
+    world: int | None = None, late: int | None = None, sc: Scenario | None = None
+) -> list[dict[str, Any]]:
+    sc = sc or scenario(
         "straggler_10pct_fwd_64", world_size=8, steps=700, faults=(Straggler(SLOW, 300, factor=1.3),)
     )
     out = []
@@ -62,3 +64,16 @@ def test_a_rank_heard_from_first_mid_run_joins_and_the_straggler_is_still_found(
     assert [(a.kind, a.rank) for a in anomalies] == [("straggler", sparse(SLOW))], [
         a.summary for a in anomalies
     ]
+
+
+def test_a_hang_names_the_culprit_by_its_number_and_counts_the_ranks_never_heard_from() -> None:
+    sc = scenario(
+        "hang_stuck_32", world_size=8, steps=400, faults=(Hang(3, 300, mode="stuck", phase="data"),)
+    )
+    _, anomalies = feed(docs(world=MAX_WORLD_SIZE, sc=sc))
+    hangs = [a for a in anomalies if a.kind == "hang"]
+    assert [(a.rank, a.evidence["culprits"]) for a in hangs] == [(sparse(3), [sparse(3)])], hangs
+    evidence = hangs[0].evidence
+    assert evidence["ranks_never_heard"] == MAX_WORLD_SIZE - 8
+    assert evidence["never_heard_ranges"][:2] == [[0, 6], [8, sparse(1) - 1]]
+    assert len(evidence["never_heard_ranges"]) == 9  # the gaps around 8 ranks, listed whole
