@@ -143,9 +143,9 @@ class RunContext:
         row = int(np.searchsorted(self.ranks, rank))
         if row < self.ranks.size and self.ranks[row] == rank:
             return row
-        self.ranks = np.insert(self.ranks, row, rank)
+        self.ranks = _inserted(self.ranks, row, rank)
         for name, (fill, _) in _ARRAYS.items():
-            setattr(self, name, np.insert(getattr(self, name), row, fill))
+            setattr(self, name, _inserted(getattr(self, name), row, fill))
         for name, fill in _LISTS.items():
             getattr(self, name).insert(row, fill)
         self.replica_group[row] = rank
@@ -267,6 +267,13 @@ class RunContext:
     def ranks_of_node(self, node: str) -> np.ndarray:
         """The rows of the ranks on `node`."""
         return np.array([r for r, n in enumerate(self.node) if n == node], dtype=np.int64)
+
+
+def _inserted(a: np.ndarray, row: int, value: Any) -> np.ndarray:
+    """`a` with `value` inserted at `row` (np.insert without its generality, ~10x cheaper)."""
+    out = np.empty(a.size + 1, dtype=a.dtype)
+    out[:row], out[row], out[row + 1 :] = a[:row], value, a[row:]
+    return out
 
 
 def missing_ranks(ranks: np.ndarray, world_size: int) -> tuple[int, list[tuple[int, int]]]:
