@@ -93,6 +93,7 @@ class RunContext:
         seated = np.arange(world_size) if ranks is None else np.unique(np.fromiter(ranks, dtype=np.int64))
         self.ranks = seated.astype(np.int64)  # row -> rank number, sorted
         self.version = 0  # bumped whenever a row is inserted
+        self._row_cache: dict[int, tuple[int, int]] = {}  # rank -> (row, the version it is valid for)
         n = self.ranks.size
         for name, (fill, dtype) in _ARRAYS.items():
             setattr(self, name, np.full(n, fill, dtype=dtype))
@@ -140,8 +141,12 @@ class RunContext:
 
     def seat(self, rank: int) -> int:
         """The row of `rank`, inserted (in rank order) on its first message."""
+        cached = self._row_cache.get(rank)
+        if cached is not None and cached[1] == self.version:  # the hot path: no row inserted since
+            return cached[0]
         row = int(np.searchsorted(self.ranks, rank))
         if row < self.ranks.size and self.ranks[row] == rank:
+            self._row_cache[rank] = (row, self.version)
             return row
         self.ranks = _inserted(self.ranks, row, rank)
         for name, (fill, _) in _ARRAYS.items():
@@ -150,6 +155,7 @@ class RunContext:
             getattr(self, name).insert(row, fill)
         self.replica_group[row] = rank
         self.version += 1
+        self._row_cache[rank] = (row, self.version)
         return row
 
     def missing(self) -> tuple[int, list[tuple[int, int]]]:
