@@ -52,7 +52,7 @@ class RunContext:
     Rows are sized by the ranks that sent something, never by the declared world size (a batch may
     declare 131,072 ranks and come from one): `ranks` holds the rank numbers of the rows, sorted, and a
     rank's first message inserts its row (`seat`). Step frames use the same rows; a detector that keeps
-    per-rank state moves it to the new rows with `carry_rows` when `version` changes. With every rank
+    per-rank state moves it to the new rows with `carry` (rows are only ever added). With every rank
     0..N-1 heard from, row r is rank r. `ranks=None` seats every rank of `world_size` at once (tests
     that build frames by hand).
     """
