@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 from stepwatch_server.detect import Anomaly, DetectionEngine, EngineSettings
@@ -19,8 +20,15 @@ def run_scenario(
 ) -> tuple[Simulation, list[Anomaly]]:
     """Feed every batch of `sc` (validated exactly as ingest does) to a fresh engine; return every
     anomaly as last seen, in the order first raised."""
-    engine = DetectionEngine(EngineSettings(kinds=kinds, overrides=dict(overrides)))
     sim = Simulation(sc)
+    return sim, detect_docs(sim, kinds, **overrides)[1]
+
+
+def detect_docs(
+    sim: Iterable[dict[str, Any]], kinds: tuple[str, ...] | None = None, **overrides: dict[str, Any]
+) -> tuple[DetectionEngine, list[Anomaly]]:
+    """Feed batch documents to a fresh engine as `run_scenario` does; return it and the anomalies."""
+    engine = DetectionEngine(EngineSettings(kinds=kinds, overrides=dict(overrides)))
     seen: dict[int, Anomaly] = {}
     last_ts = 0.0
     for doc in sim:
@@ -28,4 +36,4 @@ def run_scenario(
         last_ts = max(last_ts, float(batch.timestamps[-1]) if batch.steps.size else last_ts)
         for anomaly in engine.feed(batch, wall_now=last_ts):
             seen.setdefault(anomaly.local_id, anomaly)
-    return sim, list(seen.values())
+    return engine, list(seen.values())

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from stepwatch_server.simulate import SlowNode
+from stepwatch_server.detect import EngineSettings
+from stepwatch_server.detect.detectors._slowness import run_slowness_settings
+from stepwatch_server.detect.detectors.slow_node import SlowNodeDetector, SlowNodeSettings
+from stepwatch_server.detect.detectors.straggler import StragglerDetector, StragglerSettings
+from stepwatch_server.detect.engine import RunDetection
+from stepwatch_server.simulate import SlowNode, Straggler
 from tests.detect.helpers import run_scenario, scenario
 
 KINDS = ("straggler", "slow_node", "throughput_drop")
@@ -50,3 +55,36 @@ def test_without_slow_node_the_ranks_are_reported_one_by_one() -> None:
     sc = scenario("slow_node_64", world_size=32, steps=600, faults=(SlowNode(1, 400, factor=1.4),))
     _, anomalies = run_scenario(sc, kinds=("straggler",))
     assert sorted(a.rank for a in anomalies if a.rank is not None) == list(range(8, 16))
+
+
+# straggler and slow_node with different windows: one computation of slowness still splits node from rank.
+DIFFERENT_WINDOWS = {"straggler": {"window_steps": 20}, "slow_node": {"window_steps": 60, "confirm_steps": 6}}
+
+
+def test_a_slow_node_is_one_slow_node_and_no_stragglers_whatever_each_detectors_window() -> None:
+    sc = scenario("slow_node_64", world_size=32, steps=640, faults=(SlowNode(2, 480, factor=1.4),))
+    _, anomalies = run_scenario(sc, kinds=KINDS, **DIFFERENT_WINDOWS)
+    assert [(a.kind, a.key) for a in anomalies] == [("slow_node", "node:gpu-002")], [
+        a.summary for a in anomalies
+    ]
+
+
+def test_one_slow_rank_is_a_straggler_only_whatever_each_detectors_window() -> None:
+    sc = scenario("slow_node_64", world_size=32, steps=640, faults=(Straggler(19, 480, factor=1.4),))
+    _, anomalies = run_scenario(sc, kinds=KINDS, **DIFFERENT_WINDOWS)
+    assert [(a.kind, a.rank) for a in anomalies] == [("straggler", 19)], [a.summary for a in anomalies]
+
+
+def test_the_run_has_one_slowness_from_both_detectors_overrides() -> None:
+    overrides = {"straggler": {"window_steps": 20}, "slow_node": {"window_steps": 60, "node_fraction": 0.5}}
+    chosen = {
+        "straggler": StragglerSettings(window_steps=20),
+        "slow_node": SlowNodeSettings(**overrides["slow_node"]),
+    }
+    shared, conflicts = run_slowness_settings(chosen, overrides)
+    assert (shared.window_steps, shared.node_fraction) == (20, 0.5)  # each field from whoever set it
+    assert conflicts == ["window_steps: slow_node 60, straggler 20 (used)"]
+    rd = RunDetection("r", 16, EngineSettings(kinds=KINDS, overrides=overrides))
+    trackers = {id(d.slowness) for d in rd.detectors if isinstance(d, StragglerDetector | SlowNodeDetector)}
+    assert trackers == {id(rd.ctx.slowness)} and rd.ctx.slowness is not None
+    assert rd.ctx.slowness.s == shared and rd.ctx.slowness.node_reporting

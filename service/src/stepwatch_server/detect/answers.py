@@ -64,7 +64,9 @@ class HealthAnswer(BaseModel):
     verdict: Verdict
     reasons: list[Reason]
     open: int
-    ranks: list[RankHealth]
+    ranks: list[RankHealth]  # the ranks heard from
+    ranks_missing: int  # declared (world size) but never heard from
+    missing_ranges: list[list[int]]  # those ranks as [first, last] ranges (at most 16)
 
 
 class DetectionAnswer(BaseModel):

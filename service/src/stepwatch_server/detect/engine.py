@@ -19,6 +19,7 @@ import numpy as np
 from stepwatch_server.detect.anomalies import Anomaly
 from stepwatch_server.detect.base import Detector
 from stepwatch_server.detect.context import RunContext
+from stepwatch_server.detect.detectors._slowness import RankSlowness, run_slowness_settings
 from stepwatch_server.detect.frames import Aligner, StepFrame
 from stepwatch_server.detect.registry import DETECTORS
 from stepwatch_server.ingest.schema import Batch
@@ -48,12 +49,23 @@ class RunDetection:
     def __init__(
         self, run: str, world_size: int, settings: EngineSettings, ctx: RunContext | None = None
     ) -> None:
-        self.ctx = ctx if ctx is not None and ctx.world_size == world_size else RunContext(run, world_size)
-        if ctx is not None and ctx is not self.ctx:  # world size changed: keep the anomalies
-            self.ctx.book = ctx.book
-        self.aligner = Aligner(run, world_size, settings.align_grace_s)
+        if ctx is not None and ctx.world_size == world_size:
+            self.ctx = ctx
+        else:  # rows are added as ranks are heard from, never allocated for the declared world size
+            self.ctx = RunContext(run, world_size, ranks=())
+            if ctx is not None:  # world size changed: keep the anomalies
+                self.ctx.book = ctx.book
+        self.aligner = Aligner(run, world_size, settings.align_grace_s, rows=lambda: self.ctx.ranks)
         classes = [c for c in DETECTORS if settings.kinds is None or c.kind in settings.kinds]
-        self.detectors: list[Detector] = [cls(self.ctx, settings.settings_for(cls)) for cls in classes]
+        chosen = {cls.kind: settings.settings_for(cls) for cls in classes}
+        # Slowness is computed once per frame for straggler and slow_node together, with one set of
+        # settings, so that the two split a slow node from its ranks the same way whatever each says.
+        self.slowness: RankSlowness | None = None
+        if {"straggler", "slow_node"} & set(chosen):
+            shared, _ = run_slowness_settings(chosen, settings.overrides)
+            self.slowness = self.ctx.slowness = RankSlowness(self.ctx, shared)
+            self.slowness.node_reporting = "slow_node" in chosen
+        self.detectors: list[Detector] = [cls(self.ctx, chosen[cls.kind]) for cls in classes]
         # Ticked after every batch: only the detectors that watch time passing (the others' on_tick is
         # the base class's no-op).
         self.tickers = [d for d in self.detectors if type(d).on_tick is not Detector.on_tick]
@@ -69,6 +81,8 @@ class RunDetection:
         step_ms = frame.metrics.get("time.step_ms")
         if step_ms is not None and np.isfinite(step_ms).any():
             self.ctx.record_step_time(float(np.nanmedian(step_ms)))
+        if self.slowness is not None:
+            self.slowness.update(frame)
         for detector in self.detectors:
             self._guarded(detector, "on_frame", frame)
 
@@ -90,8 +104,12 @@ class RunDetection:
 class DetectionEngine:
     def __init__(self, settings: EngineSettings | None = None) -> None:
         self.settings = settings or EngineSettings()
+        chosen = {}
         for cls in DETECTORS:  # fail at start on a bad override, not on the first batch
-            self.settings.settings_for(cls)
+            chosen[cls.kind] = self.settings.settings_for(cls)
+        _, conflicts = run_slowness_settings(chosen, self.settings.overrides)
+        for line in conflicts:
+            log.warning("straggler and slow_node share one slowness computation; %s", line)
         self.runs: OrderedDict[str, RunDetection] = OrderedDict()
 
     def feed(self, batch: Batch, wall_now: float | None = None) -> list[Anomaly]:

@@ -6,12 +6,15 @@ step ranges; the aligner scatters each batch's columns into ring matrices (steps
 assignment per metric per batch) and emits a frame for step N, in step order, once every rank has
 reported it, or once event time (the newest timestamp seen from any rank, heartbeats included) has
 moved `grace_s` past the step's first report (a rank that died before sending its last steps), or
-when the ring is full. Memory is bounded: capacity x world_size per metric.
+when the ring is full. Memory is bounded: capacity x the ranks heard from per metric, never the
+declared world size: a rank's column is added on its first batch (columns double as ranks arrive),
+and a frame lays the columns out in the run's rows (`RunContext.ranks`: the ranks heard from, in
+rank order).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,19 +28,22 @@ MAX_TENSOR_NAMES = 512  # distinct (stat, name) tensor series aligned per run
 
 @dataclass(slots=True)
 class StepFrame:
-    """One step of one run, every rank side by side (index = rank). NaN marks a value not reported."""
+    """One step of one run, every rank side by side. The index is the run's row (`RunContext.ranks`: the
+    ranks heard from, in rank order; row r is rank r when every rank 0..N-1 was heard from). NaN marks a
+    value not reported."""
 
     run: str
     step: int
     ts: float  # event time: the latest end-of-step timestamp across the ranks that reported it
-    present: np.ndarray  # bool (world_size,): ranks that reported this step
-    metrics: dict[str, np.ndarray]  # name -> float64 (world_size,)
-    tensors: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # stat -> name -> (world_size,)
-    fingerprints: dict[int, str] = field(default_factory=dict)  # rank -> 16 hex digits
-    events: list[tuple[int, BatchEvent]] = field(default_factory=list)  # (rank, event) at this step
+    present: np.ndarray  # bool (rows,): ranks that reported this step
+    metrics: dict[str, np.ndarray]  # name -> float64 (rows,)
+    tensors: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # stat -> name -> (rows,)
+    fingerprints: dict[int, str] = field(default_factory=dict)  # row -> 16 hex digits
+    events: list[tuple[int, BatchEvent]] = field(default_factory=list)  # (row, event) at this step
 
     @property
     def world_size(self) -> int:
+        """The rows of the frame: the ranks heard from (not the declared world size)."""
         return int(self.present.shape[0])
 
     def metric(self, name: str) -> np.ndarray | None:
@@ -47,15 +53,30 @@ class StepFrame:
 class Aligner:
     """Ring matrices of one run; `add(batch)` returns the frames that became complete, in step order."""
 
-    def __init__(self, run: str, world_size: int, grace_s: float, capacity: int = RING_STEPS) -> None:
+    def __init__(
+        self,
+        run: str,
+        world_size: int,
+        grace_s: float,
+        capacity: int = RING_STEPS,
+        rows: Callable[[], np.ndarray] | None = None,
+    ) -> None:
+        """`world_size` as declared says when a step is complete; `rows` gives the run's rows (sorted
+        rank numbers, a superset of the ranks added) that frames are laid out in (default: the ranks
+        added)."""
         self.run, self.world_size, self.grace_s, self.capacity = run, world_size, grace_s, capacity
-        # Every metric's ring in one array (metric x step slot x rank): one scatter per batch, one copy
+        self._rows = rows
+        # A column per rank heard from, in order of arrival; `_width` columns allocated.
+        self._column: dict[int, int] = {}
+        self._col_rank = np.zeros(0, dtype=np.int64)
+        self._width = 0
+        # Every metric's ring in one array (metric x step slot x column): one scatter per batch, one copy
         # per frame, whatever the number of metrics.
         self._metric_index: dict[str, int] = {}
-        self._mring = np.full((0, capacity, world_size), np.nan)
+        self._mring = np.full((0, capacity, 0), np.nan)
         self._tensors: dict[tuple[str, str], np.ndarray] = {}
         self._count = np.zeros(capacity, dtype=np.int32)
-        self._present = np.zeros((capacity, world_size), dtype=bool)
+        self._present = np.zeros((capacity, 0), dtype=bool)
         self._ts = np.full(capacity, -np.inf)
         self._first_seen = np.full(capacity, np.inf)
         self._has_tensors = np.zeros(capacity, dtype=bool)
@@ -103,7 +124,7 @@ class Aligner:
             if index is not None:
                 sel = index[sel]
         slots = steps_in % self.capacity
-        rank = batch.rank
+        rank = self._col_of(batch.rank)
         fresh = ~self._present[slots, rank]
         self._present[slots, rank] = True
         self._count[slots[fresh]] += 1  # slots are distinct: a batch spans < capacity steps
@@ -128,10 +149,10 @@ class Aligner:
             self._add_tensors(batch, rank)
         for step, value in zip(batch.fingerprint_steps.tolist(), batch.fingerprints, strict=True):
             if step >= self.next_step:
-                self._fingerprints.setdefault(step, {})[rank] = value
+                self._fingerprints.setdefault(step, {})[batch.rank] = value
         for event in batch.events:
             if event.step >= self.next_step:
-                self._events.setdefault(event.step, []).append((rank, event))
+                self._events.setdefault(event.step, []).append((batch.rank, event))
         return frames + self._drain()
 
     def _add_tensors(self, batch: Batch, rank: int) -> None:
@@ -157,15 +178,36 @@ class Aligner:
             if len(self._metric_index) >= MAX_METRICS:
                 return -1
             row = self._metric_index[name] = len(self._metric_index)
-            fresh = np.full((1, self.capacity, self.world_size), np.nan)
+            fresh = np.full((1, self.capacity, self._width), np.nan)
             self._mring = np.concatenate([self._mring, fresh])
         return row
 
     def _tensor_ring(self, stat: str, name: str) -> np.ndarray | None:
         ring = self._tensors.get((stat, name))
         if ring is None and len(self._tensors) < MAX_TENSOR_NAMES:
-            ring = self._tensors[(stat, name)] = np.full((self.capacity, self.world_size), np.nan)
+            ring = self._tensors[(stat, name)] = np.full((self.capacity, self._width), np.nan)
         return ring
+
+    def _col_of(self, rank: int) -> int:
+        """The rank's column, added on its first batch (the allocated columns double when full)."""
+        col = self._column.get(rank)
+        if col is not None:
+            return col
+        col = self._column[rank] = len(self._column)
+        if col >= self._width:
+            grow = max(8, self._width)
+            self._width += grow
+            self._col_rank = np.concatenate([self._col_rank, np.full(grow, -1, dtype=np.int64)])
+            self._mring = np.concatenate(
+                [self._mring, np.full((*self._mring.shape[:2], grow), np.nan)], axis=2
+            )
+            self._present = np.concatenate(
+                [self._present, np.zeros((self.capacity, grow), dtype=bool)], axis=1
+            )
+            for key, ring in self._tensors.items():
+                self._tensors[key] = np.concatenate([ring, np.full((self.capacity, grow), np.nan)], axis=1)
+        self._col_rank[col] = rank
+        return col
 
     # -- output --------------------------------------------------------------------------------
     def _ready(self) -> bool:
@@ -213,20 +255,33 @@ class Aligner:
         assert self.next_step is not None
         step = self.next_step
         slot = step % self.capacity
+        n = len(self._column)
+        ranks = self._col_rank[:n]
+        rows = np.sort(ranks) if self._rows is None else self._rows()
+        where = np.searchsorted(rows, ranks)  # each column's row
+
+        def lay_out(cols: np.ndarray, fill: float | bool) -> np.ndarray:
+            out = np.full((*cols.shape[:-1], rows.size), fill, dtype=cols.dtype)
+            out[..., where] = cols[..., :n]
+            return out
+
+        def row(rank: int) -> int:
+            return int(np.searchsorted(rows, rank))
+
         frame = StepFrame(
             run=self.run,
             step=step,
             ts=float(self._ts[slot]),
-            present=self._present[slot].copy(),
-            metrics=dict(zip(self._metric_index, self._mring[:, slot].copy(), strict=True)),
-            fingerprints=self._fingerprints.pop(step, {}),
-            events=self._events.pop(step, []),
+            present=lay_out(self._present[slot], False),
+            metrics=dict(zip(self._metric_index, lay_out(self._mring[:, slot], np.nan), strict=True)),
+            fingerprints={row(r): v for r, v in self._fingerprints.pop(step, {}).items()},
+            events=[(row(r), e) for r, e in self._events.pop(step, [])],
         )
         if self._has_tensors[slot]:
             for (stat, name), ring in self._tensors.items():
-                row = ring[slot]
-                if not np.isnan(row).all():
-                    frame.tensors.setdefault(stat, {})[name] = row.copy()
+                values = ring[slot]
+                if not np.isnan(values).all():
+                    frame.tensors.setdefault(stat, {})[name] = lay_out(values, np.nan)
                 ring[slot] = np.nan
         self._mring[:, slot] = np.nan
         self._count[slot] = 0

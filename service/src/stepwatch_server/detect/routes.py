@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any
 
+import numpy as np
 from fastapi import APIRouter, Depends, Query, Request
 from sqlalchemy import Connection, select
 from starlette.responses import Response
@@ -24,6 +25,7 @@ from starlette.responses import Response
 from stepwatch_server.auth import ReadAccess, read_every_run
 from stepwatch_server.detect import answers
 from stepwatch_server.detect.anomalies import KINDS, SEVERITIES
+from stepwatch_server.detect.context import missing_ranks
 from stepwatch_server.errors import RUN_NOT_FOUND, InvalidParameter
 from stepwatch_server.responses import json_response, nonfinite_name
 from stepwatch_server.runs import queries
@@ -150,33 +152,36 @@ def _reason(row: Any) -> dict[str, Any]:
 
 
 def health(conn: Connection, run: str) -> dict[str, Any]:
-    """One verdict for the run and one per rank, with the open anomalies that make them."""
+    """One verdict for the run and one per rank heard from, with the open anomalies that make them.
+
+    The ranks listed are those that sent something (and any an open anomaly names), never one entry
+    per declared rank: the declared ranks never heard from are a count and a few ranges of them."""
     found = queries.find_run(conn, run)
     rows = conn.execute(_select(found.id, "open", None, MAX_ANOMALIES)).all()
     nodes: dict[int, str | None] = {
         r.rank: r.node for r in conn.execute(select(Rank.rank, Rank.node).where(Rank.run_id == found.id))
     }
-    world = max(found.world_size, max(nodes, default=-1) + 1)
-    by_rank: list[list[Any]] = [[] for _ in range(world)]
+    by_rank: dict[int, list[Any]] = {r: [] for r in nodes}
     ranks_of: dict[str, list[int]] = {}
     for r, node in nodes.items():
         if node is not None:
             ranks_of.setdefault(node, []).append(r)
     for row in rows:
         if row.rank is not None:
-            if 0 <= row.rank < world:
-                by_rank[row.rank].append(row)
+            by_rank.setdefault(row.rank, []).append(row)
         elif row.node is not None:
             for r in ranks_of.get(row.node, []):
                 by_rank[r].append(row)
+    heard = np.array(sorted(nodes), dtype=np.int64)
+    missing, ranges = missing_ranks(heard, found.world_size)
     ranks = [
         {
             "rank": r,
             "node": nodes.get(r),
-            "verdict": verdict([a.severity for a in applied]),
-            "reasons": [_reason(a) for a in applied],
+            "verdict": verdict([a.severity for a in by_rank[r]]),
+            "reasons": [_reason(a) for a in by_rank[r]],
         }
-        for r, applied in enumerate(by_rank)
+        for r in sorted(by_rank)
     ]
     return {
         "run": found.name,
@@ -184,6 +189,8 @@ def health(conn: Connection, run: str) -> dict[str, Any]:
         "reasons": [_reason(a) for a in rows],
         "open": len(rows),
         "ranks": ranks,
+        "ranks_missing": missing,
+        "missing_ranges": [list(x) for x in ranges],
     }
 
 

@@ -36,7 +36,9 @@ slow. A rank whose node has half or more of its ranks slow-now waits another `co
 counts as slow on its own, so that the ranks of a slow node, which cross the bar a few steps apart, are
 reported once for the node rather than first one by one. `straggler` reports slow ranks except those
 of a slow node (when `slow_node` runs), `slow_node` reports slow nodes: both read the one
-`RankSlowness` of the run (`shared_slowness`), which folds in each frame once.
+`RankSlowness` of the run (`ctx.slowness`: the detection engine creates it with one set of settings and
+folds in each frame once, before the detectors), so the split between a slow node and slow ranks is
+decided once, whatever settings each of the two detectors was given (`run_slowness_settings`).
 
 A node's data hiccup is not any rank's pace: at a step where a node of >= 3 ranks (at most half the
 run) waits `clip_ratio` x longer for data as a whole (its ranks' median ratio), its ranks' data values
@@ -65,8 +67,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -84,7 +87,8 @@ RESUM_EVERY = 4096  # pushes between exact recomputations of the running sums (f
 
 @dataclass(frozen=True)
 class SlownessSettings(DetectorSettings):
-    """What makes a rank or a node slow. Shared by `straggler` and `slow_node`: override both alike."""
+    """What makes a rank or a node slow. One set per run for `straggler` and `slow_node` together: a
+    field overridden for either applies to both (`straggler`'s value where both differ)."""
 
     window_steps: int = 40  # judged steps averaged: beats 10% per-step noise, finds 10% in < 50 steps
     min_ratio: float = 1.05  # persistent slowdown below 5% is within GPU-to-GPU spread
@@ -155,9 +159,10 @@ class RankSlowness:
 
     def __init__(self, ctx: RunContext, s: SlownessSettings) -> None:
         self.ctx, self.s = ctx, s
-        R, P, W = ctx.world_size, len(PHASES), s.window_steps
+        R, P, W = ctx.n_ranks, len(PHASES), s.window_steps
+        self._rows = ctx.ranks  # the rank numbers of the per-rank arrays' rows (see RunContext.carry)
         self.gate = PauseGate(s.skip_after_pause_steps)
-        self.node_reporting = False  # set by slow_node: straggler then leaves slow nodes to it
+        self.node_reporting = False  # slow_node runs: straggler leaves slow nodes to it
         self._last_frame: StepFrame | None = None
         self._last_judged = False
         self._clip = math.log(s.clip_ratio)
@@ -215,6 +220,7 @@ class RankSlowness:
         if frame is self._last_frame:
             return self._last_judged
         self._last_frame = frame
+        self._rows = self.ctx.carry(self, PER_RANK, self._rows)
         self._refresh_nodes()
         self._last_judged = judged = self._judge(frame)
         return judged
@@ -226,7 +232,7 @@ class RankSlowness:
         cols = [frame.metrics.get(name) for name in PHASE_METRICS]
         if all(c is None for c in cols):
             return False
-        R = self.ctx.world_size
+        R = self.ctx.n_ranks
         raw = np.full((len(PHASES), R), np.nan)
         for p, col in enumerate(cols):
             if col is not None:
@@ -258,7 +264,7 @@ class RankSlowness:
         if table.shape[1] < 3:
             return out
         vals = np.where(table >= 0, ratio[np.maximum(table, 0)], np.nan)
-        big = (self.node_size >= 3) & (2 * self.node_size <= self.ctx.world_size)
+        big = (self.node_size >= 3) & (2 * self.node_size <= self.ctx.n_ranks)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # a node with no data value at this step
             slow = big & (np.nanmedian(vals, axis=1) >= self.s.clip_ratio)
@@ -391,7 +397,7 @@ class RankSlowness:
         self.quiet = np.where(still, 0, self.quiet + 1)
         self._node_verdicts(frame, still)
         # Ranks of a node that looks slow as a whole wait longer to count alone (see module docstring).
-        crowd = np.zeros(self.ctx.world_size, dtype=bool)
+        crowd = np.zeros(self.ctx.n_ranks, dtype=bool)
         known = self.node_of >= 0
         if self.node_size.size:
             frac = self.node_slow_count / np.maximum(self.node_size, 1)
@@ -519,16 +525,58 @@ def _row_median(a: np.ndarray) -> np.ndarray:
     return out
 
 
-_SHARED: weakref.WeakKeyDictionary[RunContext, dict[SlownessSettings, RankSlowness]] = (
-    weakref.WeakKeyDictionary()
-)
+def run_slowness_settings(
+    defaults: Mapping[str, DetectorSettings], overrides: Mapping[str, Mapping[str, Any]]
+) -> tuple[SlownessSettings, list[str]]:
+    """The one set of slowness settings of a run: each shared field as `straggler` or `slow_node`
+    overrides it (`straggler` wins where both do, differently), else the default. `defaults` maps the
+    kinds that run to their settings. Returns the settings and the conflicts, one line each."""
+    names = [f.name for f in dataclasses.fields(SlownessSettings)]
+    values: dict[str, Any] = {}
+    conflicts = []
+    for kind in ("slow_node", "straggler"):  # straggler last: it wins a conflict
+        if kind not in defaults:
+            continue
+        for name in names:
+            if name in overrides.get(kind, {}):
+                value = getattr(defaults[kind], name)
+                if name in values and values[name] != value:
+                    conflicts.append(f"{name}: slow_node {values[name]!r}, straggler {value!r} (used)")
+                values[name] = value
+    return SlownessSettings(**values), conflicts
 
 
-def shared_slowness(ctx: RunContext, settings: DetectorSettings) -> RankSlowness:
-    """The run's one RankSlowness for these shared settings (created on first use)."""
-    s = slowness_settings(settings)
-    per_ctx = _SHARED.setdefault(ctx, {})
-    tracker = per_ctx.get(s)
-    if tracker is None:
-        tracker = per_ctx[s] = RankSlowness(ctx, s)
+PER_RANK = {  # RankSlowness's per-rank state (rows on the last axis): the fill of a rank heard from later
+    "_log": 0.0,
+    "_raw": np.nan,
+    "_valid": False,
+    "_sum": 0.0,
+    "_sumsq": 0.0,
+    "_count": 0,
+    "mean": 0.0,
+    "base": 0.0,
+    "_learn_sum": 0.0,
+    "_learn_n": 0.0,
+    "z": 0.0,
+    "slow_now": False,
+    "phase": 0,
+    "run": 0,
+    "quiet": 0,
+    "slow": False,
+    "slow_since": -1,
+    "slow_since_ts": np.nan,
+    "_run_step": -1,
+    "_run_ts": np.nan,
+    "node_of": -1,
+}
+
+
+def run_slowness(ctx: RunContext, settings: DetectorSettings, node_reporting: bool = False) -> RankSlowness:
+    """The run's one RankSlowness (`ctx.slowness`). The detection engine creates it with the run's
+    settings before the detectors; a detector built by hand on a bare context creates it on first
+    use, with its own settings."""
+    if ctx.slowness is None:
+        ctx.slowness = RankSlowness(ctx, slowness_settings(settings))
+    tracker: RankSlowness = ctx.slowness
+    tracker.node_reporting |= node_reporting
     return tracker

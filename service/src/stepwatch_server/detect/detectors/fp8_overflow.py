@@ -155,7 +155,7 @@ class Fp8OverflowDetector(Detector):
         )
         self._clear[rows] = np.where(quiet, self._clear[rows] + 1, 0)
         for i in np.flatnonzero(jump | growing).tolist():
-            self._raise(frame, names[i], float(amax[i]), int(argmax[i]), float(hist_max[i]),
+            self._raise(frame, names[i], float(amax[i]), self.ctx.rank_of(int(argmax[i])), float(hist_max[i]),
                         float(headroom[i]), float(slope[i]), int(window_steps[i]), bool(jump[i]))  # fmt: skip
         for i in np.flatnonzero(self._clear[rows] >= s.clear_samples).tolist():
             if self.ctx.book.is_open(KIND, f"module:{names[i]}"):

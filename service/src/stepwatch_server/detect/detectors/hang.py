@@ -212,7 +212,7 @@ class HangDetector(Detector):
                 self._busy_seen_ts = event_now  # like a marked pause: the stall clock restarts
                 if existing is not None:
                     kinds = sorted({activity.NAMES[int(c)] or "?" for c in look.activity[busy]})
-                    note = f"recognised as an unmarked {' and '.join(kinds)} ({_ranks(busy)})"
+                    note = f"recognised as an unmarked {' and '.join(kinds)} ({_ranks(self.ctx.ranks[busy])})"
                     book.resolve(KIND, RUN_KEY, step=self._progress_step, ts=event_now, note=note)
                 return
         self._last_update_ts = event_now
@@ -236,7 +236,7 @@ class HangDetector(Detector):
         alive = seen & ~dead
         progress = ctx.completed()[0]
         behind = seen & (progress < progress[seen].max())
-        phases = [ctx.heartbeat_phase[r] if seen[r] else None for r in range(ctx.world_size)]
+        phases = [ctx.heartbeat_phase[r] if seen[r] else None for r in range(ctx.n_ranks)]
         counts = Counter(p for p in phases if p is not None)
         majority = counts.most_common(1)[0][0] if counts else None
         # A rank in another phase than the majority is behind them, unless its phase comes LATER in the
@@ -298,7 +298,7 @@ class HangDetector(Detector):
             "threshold_s": round(float(threshold_s), 1),
             "last_step": self._progress_step,
             "typical_step_ms": _num(ctx.typical_step_ms()),
-            "culprits": [int(r) for r in culprits[:MAX_LISTED]],
+            "culprits": ctx.ranks[culprits[:MAX_LISTED]].tolist(),
             "n_culprits": int(culprits.size),
             "blamed_by": look.reason,
             "majority_phase": look.majority_phase,
@@ -346,7 +346,7 @@ class HangDetector(Detector):
         elif busy is not None and exceeded:
             summary = (
                 f"run stalled: no step completed for {stalled_s:.0f} s after step {self._progress_step} "
-                f"(threshold {threshold_s:.0f} s); {_ranks(busy)} {exceeded}"
+                f"(threshold {threshold_s:.0f} s); {_ranks(ctx.ranks[busy])} {exceeded}"
             )
         elif look.together:
             mode = "together"
@@ -368,6 +368,9 @@ class HangDetector(Detector):
                 f"{waiting_in or look.majority_phase or 'an unknown phase'}"
             )
         evidence["mode"] = mode
+        never, ranges = ctx.missing()
+        if never:  # declared ranks that never sent anything: a count and a few ranges, whatever the size
+            evidence.update(ranks_never_heard=never, never_heard_ranges=[list(r) for r in ranges])
         critical = mode == "dead" or (mode != "together" and stalled_s >= s.critical_factor * threshold_s)
         book.raise_(
             KIND,
@@ -377,7 +380,7 @@ class HangDetector(Detector):
             severity="critical" if critical else "warning",
             summary=summary,
             evidence=evidence,
-            rank=rank,
+            rank=None if rank is None else ctx.rank_of(rank),
             node=node,
             first_step=self._progress_step + 1,
             first_ts=self._progress_ts,

@@ -112,9 +112,25 @@ class MemoryLeakSettings(DetectorSettings):
     role_pace_ratio: float = 1.5  # ... their paces within this factor of each other
 
 
+# Per-rank state (rows on the last axis): the fill for a rank heard from later.
+PER_RANK = {
+    "_sum": 0.0,
+    "_step_sum": 0.0,
+    "_n": 0.0,
+    "_means": np.nan,
+    "_pos": 0.0,
+    "_filled": 0,
+    "_peak": np.nan,
+    "_capacity": np.nan,
+    "_top": -np.inf,
+    "_floor": np.inf,
+    "_drop": 0.0,
+}
+
+
 @dataclass
 class _Window:
-    """One window's verdict for every rank (arrays of length world_size)."""
+    """One window's verdict for every rank (arrays with a row per rank heard from)."""
 
     leaking: np.ndarray
     growing: np.ndarray  # passes half the bars: still growing (keeps an open anomaly open)
@@ -139,7 +155,8 @@ class MemoryLeakDetector(Detector):
         super().__init__(ctx, settings)
         assert isinstance(settings, MemoryLeakSettings)
         self.s: MemoryLeakSettings = settings
-        w = ctx.world_size
+        w = ctx.n_ranks
+        self._rows = ctx.ranks  # the rank numbers of the per-rank arrays' rows
         self._h = max(settings.windows_blocks)
         self._sum = np.zeros(w)
         self._step_sum = np.zeros(w)  # the steps of a block's samples: a sparse metric's true spacing
@@ -167,6 +184,7 @@ class MemoryLeakDetector(Detector):
         self._drop = np.zeros(w)
 
     def on_frame(self, frame: StepFrame) -> None:
+        self._rows = self.ctx.carry(self, PER_RANK, self._rows)
         if self._metric is None:
             self._metric = next((m for m in METRICS if m in frame.metrics), None)
             if self._metric is None:
@@ -358,7 +376,7 @@ class MemoryLeakDetector(Detector):
         typical_ms = ctx.typical_step_ms()
         step_s = typical_ms / 1000.0 if np.isfinite(typical_ms) and typical_ms > 0 else float("nan")
         windows = [self._window(n, step_s) for n in sorted(s.windows_blocks)]
-        R = ctx.world_size
+        R = ctx.n_ranks
         leaking = np.zeros(R, dtype=bool)
         chosen = np.full(R, -1, dtype=np.int64)  # the longest window that says "leak": the most evidence
         recent = np.full(R, -1, dtype=np.int64)  # the shortest: the pace of now
@@ -388,9 +406,10 @@ class MemoryLeakDetector(Detector):
             fast = [int(rank_level[i]) for i in order if slopes[i] >= s.outlier_factor * self._run_median]
             rank_level = np.array(fast[: s.max_rank_anomalies], dtype=np.int64)
             # ... and what was raised for its ranks before the run-level one formed is too: one alarm.
+            fast_ranks = set(ctx.ranks[fast].tolist())
             for a in ctx.book.open_of(KIND):
                 members = [a.rank] if a.rank is not None else a.evidence.get("ranks", [])
-                if a.key != RUN_KEY and not set(members) & set(fast):
+                if a.key != RUN_KEY and not set(members) & fast_ranks:
                     ctx.book.resolve(KIND, a.key, step=frame.step, ts=frame.ts, note=f"part of {RUN_KEY}")
         paces = np.array([windows[recent[r]].pace[r] for r in rank_level])
         for role, ranks in self._same_role(rank_level, paces, run_level).items():
@@ -398,21 +417,22 @@ class MemoryLeakDetector(Detector):
             # logging or decoding for its node), one anomaly, not one per node.
             worst = int(ranks[np.argmax([windows[recent[r]].pace[r] for r in ranks])])
             self._raise(role, None, frame, windows[chosen[worst]], worst, ranks=ranks)
-            for r in ranks.tolist():
+            for r in ctx.ranks[ranks].tolist():
                 if ctx.book.is_open(KIND, f"rank:{r}"):
                     ctx.book.resolve(KIND, f"rank:{r}", step=frame.step, ts=frame.ts, note=f"part of {role}")
             rank_level = rank_level[~np.isin(rank_level, ranks)]
         for r in rank_level.tolist():
-            self._raise(f"rank:{r}", r, frame, windows[chosen[r]], r)
+            self._raise(f"rank:{ctx.rank_of(r)}", r, frame, windows[chosen[r]], r)
         book = ctx.book
         for a in book.open_of(KIND):
             # A run-level leak's last ranks still growing are part of it, not new leaks.
             if a.key == RUN_KEY:
                 still = bool(growing.any())
             elif a.key.startswith(ROLE_PREFIX):
-                still = bool(growing[np.asarray(a.evidence.get("ranks", []), dtype=np.int64)].any())
+                still = bool(growing[ctx.rows_of(a.evidence.get("ranks", []))].any())
             else:
-                still = a.rank is not None and bool(growing[a.rank])
+                row = None if a.rank is None else ctx.row_of(a.rank)
+                still = row is not None and bool(growing[row])
             if not still:
                 book.resolve(KIND, a.key, step=frame.step, ts=frame.ts, note="memory stopped growing")
 
@@ -480,13 +500,14 @@ class MemoryLeakDetector(Detector):
             who = ctx.where(rank)
         else:
             assert ranks is not None
-            evidence.update(n_ranks=int(ranks.size), ranks=[int(x) for x in ranks[:MAX_LISTED]], worst_rank=r)
+            listed = ctx.ranks[ranks[:MAX_LISTED]].tolist()
+            evidence.update(n_ranks=int(ranks.size), ranks=listed, worst_rank=ctx.rank_of(r))
             who = f"{ranks.size} of {ctx.world_size} ranks"
             if key.startswith(ROLE_PREFIX):
                 evidence["local_rank"] = int(key.removeprefix(ROLE_PREFIX))
                 who = (
                     f"local rank {evidence['local_rank']} of {ranks.size} nodes (ranks "
-                    f"{', '.join(str(int(x)) for x in ranks[:MAX_LISTED])})"
+                    f"{', '.join(map(str, listed))})"
                 )
         summary = (
             f"{who}: {what} memory growing {slope:.2f} MB/step for {window_steps} steps "
@@ -501,7 +522,7 @@ class MemoryLeakDetector(Detector):
             severity="critical" if critical else "warning",
             summary=summary,
             evidence=evidence,
-            rank=rank,
+            rank=None if rank is None else ctx.rank_of(rank),
             node=ctx.node[rank] if rank is not None else None,
             first_step=frame.step - window_steps,
         )

@@ -58,6 +58,10 @@ class NonFiniteSettings(DetectorSettings):
     all_ranks_fraction: float = 0.9  # culprits covering this share of the ranks: run-wide
 
 
+# Per-rank state: the fill of a rank heard from later (-1: set to the frames seen, as if it had a row then).
+PER_RANK = {"_had_loss": False, "_clean": -1}
+
+
 class NonFiniteDetector(Detector):
     kind: ClassVar[str] = KIND
     Settings: ClassVar[type[DetectorSettings]] = NonFiniteSettings
@@ -65,9 +69,12 @@ class NonFiniteDetector(Detector):
     def __init__(self, ctx: RunContext, settings: DetectorSettings) -> None:
         super().__init__(ctx, settings)
         self.s: NonFiniteSettings = settings  # type: ignore[assignment]
-        n = ctx.world_size
+        n = ctx.n_ranks
+        self._rows = ctx.ranks  # the rank numbers of the per-rank arrays' rows
         self._had_loss = np.zeros(n, dtype=bool)  # the rank has reported a finite loss before
-        self._clean = np.zeros(n + 1, dtype=np.int64)  # clean frames since the last bad one (last: run)
+        self._clean = np.zeros(n, dtype=np.int64)  # per rank: clean frames since the last bad one
+        self._clean_run = 0  # ... for the run-wide anomaly
+        self._frames = 0  # frames seen: the clean count of a rank never bad (or not heard from yet)
         self._grads_streak = 0  # gradient-only overflows in a row that the optimizer still applied
         self._skip_streak = 0  # steps in a row the grad scaler skipped
         self._modules: dict[str, str | None] = {}  # open key -> first module seen (events come once)
@@ -75,6 +82,8 @@ class NonFiniteDetector(Detector):
 
     # -- per step ----------------------------------------------------------------------------------
     def on_frame(self, frame: StepFrame) -> None:
+        self._rows = self.ctx.carry(self, PER_RANK, self._rows)
+        self._clean[self._clean < 0] = self._frames
         n = frame.world_size
         loss = frame.metrics.get("loss")
         bad_loss = self._flag(frame, "nonfinite.loss")
@@ -115,7 +124,7 @@ class NonFiniteDetector(Detector):
                 or culprits.size > self.s.max_rank_anomalies
                 or (culprits.size >= self.s.all_ranks_fraction * n and n > 1)
             )
-            keys = [RUN_KEY] if run_wide else [f"rank:{int(r)}" for r in culprits]
+            keys = [RUN_KEY] if run_wide else [f"rank:{r}" for r in self.ctx.ranks[culprits].tolist()]
             for key in keys:
                 self._raise(frame, key, culprits, bad_loss, bad_act, bad_grads, events, grads_only)
             bad_keys.update(keys)
@@ -139,7 +148,7 @@ class NonFiniteDetector(Detector):
         events: dict[int, dict[str, Any]],
         grads_only: bool,
     ) -> None:
-        rank = int(key.split(":")[1]) if key != RUN_KEY else None
+        rank = self.ctx.row_of(int(key.split(":")[1])) if key != RUN_KEY else None  # its row
         mine = culprits if rank is None else np.array([rank])
         module = self._modules.get(key) or self._first_module(frame, mine, events)
         where = [
@@ -152,7 +161,7 @@ class NonFiniteDetector(Detector):
         n_grads = int(bad_grads.sum())
         collapsing = grads_only and self._skip_streak >= self.s.grads_critical_steps
         critical = not collapsing and (not grads_only or self._grads_streak >= self.s.grads_critical_steps)
-        listed = [int(r) for r in culprits[:MAX_RANKS_LISTED]]
+        listed = self.ctx.ranks[culprits[:MAX_RANKS_LISTED]].tolist()
         evidence: dict[str, Any] = {
             "ranks": listed,
             "n_ranks": int(culprits.size),
@@ -177,11 +186,13 @@ class NonFiniteDetector(Detector):
             severity="critical" if critical else "warning",
             summary=summary,
             evidence=evidence,
-            rank=rank,
+            rank=None if rank is None else self.ctx.rank_of(rank),
             node=self.ctx.node[rank] if rank is not None else None,
         )
-        slot = frame.world_size if rank is None else rank
-        self._clean[slot] = 0
+        if rank is None:
+            self._clean_run = 0
+        else:
+            self._clean[rank] = 0
 
     def _first_module(
         self, frame: StepFrame, ranks: np.ndarray, events: dict[int, dict[str, Any]]
@@ -212,7 +223,7 @@ class NonFiniteDetector(Detector):
         n = frame.world_size
         if rank is not None:
             who = self.ctx.where(rank)
-            others = [int(r) for r in culprits if r != rank][:MAX_RANKS_LISTED]
+            others = self.ctx.ranks[culprits[culprits != rank][:MAX_RANKS_LISTED]].tolist()
             also = (
                 f" (also rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})"
                 if others
@@ -227,7 +238,7 @@ class NonFiniteDetector(Detector):
         if not grads_only and n_grads:
             spread = f"; gradients non-finite on {n_grads} of {n} ranks after the all-reduce"
         hint = " (gradient overflow: loss and activations finite)" if grads_only else ""
-        anomaly = self.ctx.book.get(KIND, f"rank:{rank}" if rank is not None else RUN_KEY)
+        anomaly = self.ctx.book.get(KIND, f"rank:{self.ctx.rank_of(rank)}" if rank is not None else RUN_KEY)
         when = f"at step {frame.step}"
         if anomaly is not None and anomaly.first_step != frame.step:
             steps = self._steps.get(anomaly.key, 0)
@@ -236,11 +247,16 @@ class NonFiniteDetector(Detector):
 
     def _resolve_cleared(self, frame: StepFrame, bad_keys: set[str]) -> None:
         self._clean += 1
+        self._clean_run += 1
+        self._frames += 1
         for anomaly in self.ctx.book.open_of(KIND):
             if anomaly.key in bad_keys:
                 continue
-            slot = frame.world_size if anomaly.rank is None else anomaly.rank
-            if self._clean[slot] >= self.s.clear_steps:
+            row = None if anomaly.rank is None else self.ctx.row_of(anomaly.rank)
+            clean = (
+                self._clean_run if anomaly.rank is None else self._frames if row is None else self._clean[row]
+            )
+            if clean >= self.s.clear_steps:
                 self.ctx.book.resolve(
                     KIND, anomaly.key, step=frame.step, ts=frame.ts,
                     note=f"finite again for {self.s.clear_steps} steps",

@@ -44,7 +44,7 @@ class ReplicaDivergenceDetector(Detector):
         if not frame.fingerprints:
             return
         ctx, book = self.ctx, self.ctx.book
-        ranks = np.fromiter(frame.fingerprints.keys(), dtype=np.int64, count=len(frame.fingerprints))
+        ranks = np.fromiter(frame.fingerprints.keys(), dtype=np.int64, count=len(frame.fingerprints))  # rows
         values = np.array(list(frame.fingerprints.values()))
         shards = ctx.shard[ranks]
         split_groups: list[dict[str, Any]] = []
@@ -61,16 +61,17 @@ class ReplicaDivergenceDetector(Detector):
                     )  # fmt: skip
                 continue
             bad = g_ranks[g_values != top]
-            for r in g_ranks[g_values == top].tolist():
+            for r in ctx.ranks[g_ranks[g_values == top]].tolist():
                 if book.is_open(KIND, f"rank:{r}"):
                     book.resolve(KIND, f"rank:{r}", step=frame.step, ts=frame.ts, note="agrees again")
-            for r in bad.tolist():
+            for r in bad.tolist():  # rows
                 fp = frame.fingerprints[r]
-                prior = book.get(KIND, f"rank:{r}")
+                rank = ctx.rank_of(r)
+                prior = book.get(KIND, f"rank:{rank}")
                 since = f", first at step {prior.first_step}" if prior is not None else ""
                 book.raise_(
                     KIND,
-                    f"rank:{r}",
+                    f"rank:{rank}",
                     step=frame.step,
                     ts=frame.ts,
                     severity="critical",
@@ -85,9 +86,9 @@ class ReplicaDivergenceDetector(Detector):
                         "majority_fingerprint": top,
                         "group_size": int(g_ranks.size),
                         "agreeing": int(n_top),
-                        "diverged_ranks": [int(x) for x in bad[:MAX_LISTED]],
+                        "diverged_ranks": ctx.ranks[bad[:MAX_LISTED]].tolist(),
                     },
-                    rank=r,
+                    rank=rank,
                     node=ctx.node[r],
                 )
         if split_groups:

@@ -29,7 +29,7 @@ import numpy as np
 from stepwatch_server.detect.anomalies import Severity
 from stepwatch_server.detect.base import Detector, DetectorSettings
 from stepwatch_server.detect.context import RunContext
-from stepwatch_server.detect.detectors._slowness import PHASES, SlownessSettings, shared_slowness
+from stepwatch_server.detect.detectors._slowness import PHASES, SlownessSettings, run_slowness
 from stepwatch_server.detect.frames import StepFrame
 
 
@@ -47,8 +47,7 @@ class SlowNodeDetector(Detector):
     def __init__(self, ctx: RunContext, settings: DetectorSettings) -> None:
         super().__init__(ctx, settings)
         self.s = cast(SlowNodeSettings, settings)
-        self.slowness = shared_slowness(ctx, settings)
-        self.slowness.node_reporting = True  # straggler leaves slow nodes to this detector
+        self.slowness = run_slowness(ctx, settings, node_reporting=True)  # straggler leaves nodes to it
 
     def on_frame(self, frame: StepFrame) -> None:
         sl = self.slowness
@@ -85,7 +84,7 @@ class SlowNodeDetector(Detector):
         evidence = {
             "node": name,
             "phase": PHASES[phase],
-            "slow_ranks": culprits.tolist(),
+            "slow_ranks": self.ctx.ranks[culprits].tolist(),
             "node_ranks": int(members.size),
             "ratio": round(ratio, 4),
             "ratio_min": round(float(ratios.min()), 4),

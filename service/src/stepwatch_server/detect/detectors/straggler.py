@@ -37,7 +37,7 @@ from stepwatch_server.detect.detectors._slowness import (
     PHASE_METRICS,
     PHASES,
     SlownessSettings,
-    shared_slowness,
+    run_slowness,
 )
 from stepwatch_server.detect.frames import StepFrame
 
@@ -56,7 +56,7 @@ class StragglerDetector(Detector):
     def __init__(self, ctx: RunContext, settings: DetectorSettings) -> None:
         super().__init__(ctx, settings)
         self.s = cast(StragglerSettings, settings)
-        self.slowness = shared_slowness(ctx, settings)
+        self.slowness = run_slowness(ctx, settings)
 
     def on_frame(self, frame: StepFrame) -> None:
         sl = self.slowness
@@ -65,8 +65,8 @@ class StragglerDetector(Detector):
         book, kind = self.ctx.book, self.kind
         suppress = sl.node_reporting
         for a in book.open_of(kind):
-            r = cast(int, a.rank)
-            if not sl.slow[r]:
+            r = self.ctx.row_of(cast(int, a.rank))
+            if r is None or not sl.slow[r]:
                 book.resolve(kind, a.key, step=frame.step, ts=frame.ts)
             elif suppress and sl.node_slow_of(r):
                 node = sl.node_names[int(sl.node_of[r])]
@@ -112,13 +112,13 @@ class StragglerDetector(Detector):
         severity: Severity = "critical" if ratio >= self.s.critical_ratio else "warning"
         self.ctx.book.raise_(
             self.kind,
-            f"rank:{r}",
+            f"rank:{self.ctx.rank_of(r)}",
             step=frame.step,
             ts=frame.ts,
             severity=severity,
             summary=summary,
             evidence=evidence,
-            rank=r,
+            rank=self.ctx.rank_of(r),
             node=self.ctx.node[r],
             first_step=since,
             first_ts=float(sl.slow_since_ts[r]),
