@@ -15,18 +15,18 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
-from sqlalchemy import Connection, Engine, Insert, Table, func, select, tuple_, update
+from sqlalchemy import Connection, Engine, Insert, Table, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 
 from stepwatch_server.errors import InvalidBatch
-from stepwatch_server.ingest.schema import Batch, Column
+from stepwatch_server.ingest.schema import MAX_SERIES_PER_RUN, Batch, Column
 from stepwatch_server.storage.engine import write_transaction
 from stepwatch_server.storage.models import (
     METRIC_STAT,
@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 MAX_WRITE_ATTEMPTS = 5  # concurrent first batches of a run/rank/session race on unique keys; retry
 MAX_CACHED_RUNS = 256  # runs whose series ids are kept in memory (most recently written first)
+_SERIES_LOCK_KEY = -1  # PostgreSQL advisory lock (run_id, -1): adding a run's names (ranks are >= 0)
 
 
 class SeriesIds:
@@ -361,32 +362,42 @@ class BatchWriter:
     def _series(
         self, conn: Connection, run_id: int, batch: Batch, new_series: dict[tuple[str, str], int]
     ) -> dict[tuple[str, str], int]:
+        """The batch's series ids, creating the names the run does not have yet, unless that would take
+        the run past MAX_SERIES_PER_RUN (InvalidBatch; the transaction then rolls back whole)."""
         wanted = [(METRIC_STAT, name) for name in batch.metrics]
         wanted += [(stat, name) for stat, cols in batch.tensors.items() for name in cols]
-        ids: dict[tuple[str, str], int] = {}
-        missing: list[tuple[str, str]] = []
         known = self.series_ids.of_run(run_id)
-        for key in wanted:
-            sid = known.get(key)
-            if sid is None:
-                missing.append(key)
-            else:
-                ids[key] = sid
-        if missing:
-            conn.execute(
-                insert_ignore(conn, _SERIES),
-                [{"run_id": run_id, "stat": stat, "name": name} for stat, name in missing],
+        missing = [key for key in wanted if key not in known]
+        if not missing:  # the steady state: every name cached, nothing read
+            return {key: known[key] for key in wanted}
+        if conn.dialect.name == "postgresql":
+            # Writers adding names to one run take turns (until commit), so that each counts the
+            # others' names: the limit holds exactly. SQLite's one writer gives the same for free.
+            conn.execute(select(func.pg_advisory_xact_lock(run_id, _SERIES_LOCK_KEY)))
+        stored = self._stored_series(conn, run_id)  # the whole dictionary: at most the limit, one query
+        new = [key for key in dict.fromkeys(missing) if key not in stored]
+        if len(stored) + len(new) > MAX_SERIES_PER_RUN:
+            field = "metrics" if any(stat == METRIC_STAT for stat, _ in new) else "tensors.stats"
+            raise InvalidBatch(
+                f"{field}: run {batch.run!r} would have {len(stored) + len(new):,} series names "
+                f"({len(stored):,} stored and {len(new):,} new in this batch); the limit is "
+                f"{MAX_SERIES_PER_RUN:,} per run (each metric name and each tensor statistic of a module "
+                "counts): reuse names, or log fewer modules",
+                field=field,
+                code="too_many_series",
             )
-            for chunk in _chunks(missing, 500):
-                found = conn.execute(
-                    select(Series.stat, Series.name, Series.id).where(
-                        Series.run_id == run_id, tuple_(Series.stat, Series.name).in_(chunk)
-                    )
-                )
-                for stat, name, sid in found:
-                    ids[(stat, name)] = sid
-                    new_series[(stat, name)] = sid
-        return ids
+        if new:
+            conn.execute(
+                insert_ignore(conn, _SERIES), [{"run_id": run_id, "stat": s, "name": n} for s, n in new]
+            )
+            stored = self._stored_series(conn, run_id)
+        new_series.update(stored)  # cached once committed: the run's names need not be read again
+        return {key: stored[key] for key in wanted}
+
+    @staticmethod
+    def _stored_series(conn: Connection, run_id: int) -> dict[tuple[str, str], int]:
+        found = conn.execute(select(Series.stat, Series.name, Series.id).where(Series.run_id == run_id))
+        return {(stat, name): sid for stat, name, sid in found}
 
     def _rank(self, conn: Connection, batch: Batch, run_id: int, incarnation: int, now: dt.datetime) -> None:
         query = select(Rank).where(Rank.run_id == run_id, Rank.rank == batch.rank)
@@ -443,8 +454,3 @@ class BatchWriter:
             if batch.agent_counters is not None:
                 changes["agent_counters"] = batch.agent_counters
         conn.execute(update(Rank).where(Rank.run_id == run_id, Rank.rank == batch.rank).values(**changes))
-
-
-def _chunks(items: list[tuple[str, str]], size: int) -> Iterable[list[tuple[str, str]]]:
-    for i in range(0, len(items), size):
-        yield items[i : i + size]
