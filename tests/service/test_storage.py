@@ -105,6 +105,52 @@ def test_concurrent_new_sessions_of_one_rank_get_distinct_incarnations(database_
         engine.dispose()
 
 
+def test_large_batches_of_known_names_store_the_same_rows_built_before_the_transaction(
+    database_url: str,
+) -> None:
+    """A large batch whose run, incarnation and names are known has its rows built before the write
+    transaction (from the cache, or read from the database by a writer that has no cache); what is stored
+    is the same: each value under its own series, step and incarnation, a new session's included."""
+    from stepwatch_server.ingest.store import PREBUILD_MIN_ROWS
+    from stepwatch_server.storage.models import Series
+
+    names = [f"layers.{i}.x" for i in range(PREBUILD_MIN_ROWS // 5)]
+    rng = np.random.default_rng(3)
+
+    def wide(
+        session: str, seq: int, steps: list[int]
+    ) -> tuple[dict[str, object], dict[tuple[str, int], float]]:
+        values = {n: rng.uniform(0, 9, len(steps)).tolist() for n in names}
+        expected = {(n, s): v for n, col in values.items() for s, v in zip(steps, col, strict=True)}
+        return steps_batch("wide", session, seq, steps, **values), expected
+
+    engine = make_engine(database_url)
+    try:
+        upgrade(engine)
+        writer = BatchWriter(engine)
+        first, second = uuid.uuid4().hex, uuid.uuid4().hex
+        stored: dict[tuple[str, int, int], float] = {}
+        plan = [(writer, first, 0, 1, False), (writer, first, 1, 6, True), (writer, second, 0, 1, True)]
+        plan.append((BatchWriter(engine), first, 2, 11, True))  # a writer with an empty cache
+        for w, session, seq, step0, known in plan:
+            doc, expected = wide(session, seq, list(range(step0, step0 + 5)))
+            batch = parse_batch(doc)
+            assert (w._prebuild(batch) is not None) == known
+            result = w.write(batch)
+            assert result.rows == len(expected) >= PREBUILD_MIN_ROWS
+            stored.update({(n, s, result.incarnation): v for (n, s), v in expected.items()})
+        with engine.connect() as conn:
+            rows = conn.execute(
+                select(Series.name, Point.step, Point.incarnation, Point.value).join(
+                    Series, Series.id == Point.series_id
+                )
+            ).all()
+        assert {(n, s, i): v for n, s, i, v in rows} == stored
+        assert {i for _, _, i in stored} == {1, 2}
+    finally:
+        engine.dispose()
+
+
 @pytest.mark.parametrize("table", [t.name for t in ALL_TABLES])
 def test_constraint_names_follow_the_convention(table: str) -> None:
     t = Base.metadata.tables[table]

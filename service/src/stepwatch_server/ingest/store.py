@@ -5,6 +5,12 @@ idempotency record `(session, seq)`) is written in ONE transaction, so a batch i
 whole and acknowledged, or not at all. Values go in with executemany of prepared rows
 (`insert_points`), never one ORM object per value; names are turned into small integer series ids
 through a per-run dictionary that is cached in memory once committed.
+
+The transaction is kept to the writing itself, because on SQLite every other writer waits while one
+holds the write lock: parsing and validation run before it, a large batch's rows are built before it
+when its names are known (`_prebuild`), a run's names are read in one query, and a run has at most
+MAX_SERIES_PER_RUN names, so a batch can never make the transaction create more. It is not split into
+several transactions: a batch that fails half-way (database down, disk full) must leave nothing behind.
 """
 
 from __future__ import annotations
@@ -114,6 +120,7 @@ def insert_ignore(conn: Connection, table: Table) -> Insert:
 POINT_COLUMNS = ("series_id", "rank", "step", "incarnation", "value")
 PointRow = tuple[int, int, int, int, float]
 _POINTS_CHUNK_ROWS = 100_000  # bounds the size of one statement's parameters
+PREBUILD_MIN_ROWS = 10_000  # a batch of this many values has its rows built before the write lock
 _INSERT_POINTS_PG = (
     f"INSERT INTO points ({', '.join(POINT_COLUMNS)}) "
     "SELECT * FROM unnest(%s::integer[], %s::integer[], %s::bigint[], %s::integer[], %s::float8[]) "
@@ -169,6 +176,31 @@ def _column_rows(
     ]
 
 
+def _wanted(batch: Batch) -> list[tuple[str, str]]:
+    """The batch's series keys (stat, name), metrics first."""
+    wanted = [(METRIC_STAT, name) for name in batch.metrics]
+    return wanted + [(stat, name) for stat, cols in batch.tensors.items() for name in cols]
+
+
+def _point_rows(batch: Batch, series_ids: Mapping[tuple[str, str], int], incarnation: int) -> list[PointRow]:
+    rows: list[PointRow] = []
+    for name, col in batch.metrics.items():
+        rows += _column_rows(series_ids[(METRIC_STAT, name)], batch.rank, incarnation, batch.steps, col)
+    for stat, cols in batch.tensors.items():
+        for name, col in cols.items():
+            rows += _column_rows(series_ids[(stat, name)], batch.rank, incarnation, batch.tensor_steps, col)
+    return rows
+
+
+@dataclass(frozen=True, slots=True)
+class _Prebuilt:
+    """Value rows built before the transaction, for this run id and incarnation (BatchWriter._prebuild)."""
+
+    run_id: int
+    incarnation: int
+    rows: list[PointRow]
+
+
 class _Duplicate(Exception):
     def __init__(self, result: IngestResult) -> None:
         super().__init__("duplicate batch")
@@ -188,11 +220,12 @@ class BatchWriter:
         Returns only after the transaction committed. Raises InvalidBatch when the session id is
         already used by another run or rank.
         """
+        prebuilt = self._prebuild(batch)
         for attempt in range(1, MAX_WRITE_ATTEMPTS + 1):
             new_series: dict[tuple[str, str], int] = {}
             try:
                 with write_transaction(self.engine) as conn:
-                    result = self._write(conn, batch, new_series)
+                    result = self._write(conn, batch, new_series, prebuilt)
             except _Duplicate as dup:  # raised inside the transaction, which rolled back
                 return dup.result
             except IntegrityError:
@@ -206,9 +239,52 @@ class BatchWriter:
             return result
         raise AssertionError("unreachable")
 
+    def _prebuild(self, batch: Batch) -> _Prebuilt | None:
+        """A large batch's value rows, built before the write transaction from reads alone, when its run,
+        its incarnation and every one of its names are known already (the steady state of a wide run):
+        on SQLite every other writer waits while a transaction holds the write lock, and building a
+        million rows is about a sixth of storing them. None when something must be created first; the
+        transaction then builds the rows itself, and also when what it finds differs from these reads."""
+        if batch.value_rows() < PREBUILD_MIN_ROWS:
+            return None
+        with self.engine.connect() as conn:  # reads only: no write lock (SQLite's WAL readers never wait)
+            run_id = conn.execute(select(Run.id).where(Run.name == batch.run)).scalar()
+            if run_id is None:
+                return None
+            session = conn.execute(
+                select(AgentSession.run_id, AgentSession.rank, AgentSession.incarnation).where(
+                    AgentSession.id == batch.session
+                )
+            ).first()
+            if session is None:  # a new session: the transaction picks the next incarnation (likely this)
+                previous = conn.execute(
+                    select(func.max(AgentSession.incarnation)).where(
+                        AgentSession.run_id == run_id, AgentSession.rank == batch.rank
+                    )
+                ).scalar()
+                incarnation = int(previous or 0) + 1
+            elif (session.run_id, session.rank) == (run_id, batch.rank):
+                incarnation = int(session.incarnation)
+            else:
+                return None  # a session conflict: the transaction refuses it
+            wanted = _wanted(batch)
+            ids = self.series_ids.of_run(run_id)
+            if any(key not in ids for key in wanted):
+                ids = self._stored_series(conn, run_id)  # committed ids: safe to cache
+                if any(key not in ids for key in wanted):
+                    return None
+                self.series_ids.add(run_id, ids)
+        return _Prebuilt(run_id, incarnation, _point_rows(batch, ids, incarnation))
+
     # -- inside the transaction -------------------------------------------------------------
 
-    def _write(self, conn: Connection, batch: Batch, new_series: dict[tuple[str, str], int]) -> IngestResult:
+    def _write(
+        self,
+        conn: Connection,
+        batch: Batch,
+        new_series: dict[tuple[str, str], int],
+        prebuilt: _Prebuilt | None = None,
+    ) -> IngestResult:
         now = _utcnow()
         run_id = self._run_id(conn, batch, now)
         incarnation, new_session = self._session(conn, batch, run_id, now)
@@ -222,17 +298,10 @@ class BatchWriter:
                 IngestResult(rows=0, duplicates=rows, incarnation=incarnation, run_id=run_id, duplicate=True)
             )
 
-        series_ids = self._series(conn, run_id, batch, new_series)
-        point_rows: list[PointRow] = []
-        for name, col in batch.metrics.items():
-            point_rows += _column_rows(
-                series_ids[(METRIC_STAT, name)], batch.rank, incarnation, batch.steps, col
-            )
-        for stat, cols in batch.tensors.items():
-            for name, col in cols.items():
-                point_rows += _column_rows(
-                    series_ids[(stat, name)], batch.rank, incarnation, batch.tensor_steps, col
-                )
+        if prebuilt is not None and (prebuilt.run_id, prebuilt.incarnation) == (run_id, incarnation):
+            point_rows = prebuilt.rows  # every name had an id already: none to create, none to count
+        else:
+            point_rows = _point_rows(batch, self._series(conn, run_id, batch, new_series), incarnation)
         insert_points(conn, point_rows)
         value_steps = [a for a in (batch.steps, batch.tensor_steps) if a.size]
 
@@ -364,8 +433,7 @@ class BatchWriter:
     ) -> dict[tuple[str, str], int]:
         """The batch's series ids, creating the names the run does not have yet, unless that would take
         the run past MAX_SERIES_PER_RUN (InvalidBatch; the transaction then rolls back whole)."""
-        wanted = [(METRIC_STAT, name) for name in batch.metrics]
-        wanted += [(stat, name) for stat, cols in batch.tensors.items() for name in cols]
+        wanted = _wanted(batch)
         known = self.series_ids.of_run(run_id)
         missing = [key for key in wanted if key not in known]
         if not missing:  # the steady state: every name cached, nothing read
