@@ -151,6 +151,56 @@ def test_large_batches_of_known_names_store_the_same_rows_built_before_the_trans
         engine.dispose()
 
 
+def test_concurrent_batches_adding_names_to_one_run_never_pass_the_limit_together(database_url: str) -> None:
+    """Two collectors (writers with their own caches) add 10,000 new names each to a run that has one,
+    at the same moment: one of them fits and the other is refused, whichever comes first (on
+    PostgreSQL both read the run's names before either commits unless they take turns)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from stepwatch_server.errors import InvalidBatch
+    from stepwatch_server.ingest.schema import MAX_SERIES_PER_RUN
+
+    engine = make_engine(database_url)
+    try:
+        upgrade(engine)
+        first = steps_batch("crowd", uuid.uuid4().hex, 0, [1], world_size=3, first=[1.0])
+        BatchWriter(engine).write(parse_batch(first))
+        half = MAX_SERIES_PER_RUN // 2
+        batches = [  # ranks 1 and 2: their new sessions do not take turns for another reason
+            parse_batch(
+                steps_batch(
+                    "crowd",
+                    uuid.uuid4().hex,
+                    0,
+                    [1],
+                    rank=k,
+                    world_size=3,
+                    **{f"w{k}.{i}": [1.0] for i in range(half)},
+                )
+            )
+            for k in (1, 2)
+        ]
+        start = threading.Barrier(2)
+
+        def write(batch: object) -> str:
+            writer = BatchWriter(engine)
+            start.wait()
+            try:
+                writer.write(batch)  # type: ignore[arg-type]
+            except InvalidBatch as exc:
+                assert exc.code == "too_many_series"
+                return "refused"
+            return "stored"
+
+        with ThreadPoolExecutor(2) as pool:
+            outcomes = sorted(pool.map(write, batches))
+        assert outcomes == ["refused", "stored"]
+        assert table_counts(database_url)["series"] == 1 + half
+    finally:
+        engine.dispose()
+
+
 @pytest.mark.parametrize("table", [t.name for t in ALL_TABLES])
 def test_constraint_names_follow_the_convention(table: str) -> None:
     t = Base.metadata.tables[table]

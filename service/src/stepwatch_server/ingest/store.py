@@ -438,12 +438,15 @@ class BatchWriter:
         missing = [key for key in wanted if key not in known]
         if not missing:  # the steady state: every name cached, nothing read
             return {key: known[key] for key in wanted}
-        if conn.dialect.name == "postgresql":
-            # Writers adding names to one run take turns (until commit), so that each counts the
-            # others' names: the limit holds exactly. SQLite's one writer gives the same for free.
-            conn.execute(select(func.pg_advisory_xact_lock(run_id, _SERIES_LOCK_KEY)))
         stored = self._stored_series(conn, run_id)  # the whole dictionary: at most the limit, one query
         new = [key for key in dict.fromkeys(missing) if key not in stored]
+        if new and conn.dialect.name == "postgresql":
+            # Writers that add names to one run take turns (until commit), so that each counts the
+            # others' names and the limit holds exactly; those that only found names stored by others
+            # (the ranks of a starting run) do not queue. SQLite's one writer gives the same for free.
+            conn.execute(select(func.pg_advisory_xact_lock(run_id, _SERIES_LOCK_KEY)))
+            stored = self._stored_series(conn, run_id)
+            new = [key for key in new if key not in stored]
         if len(stored) + len(new) > MAX_SERIES_PER_RUN:
             field = "metrics" if any(stat == METRIC_STAT for stat, _ in new) else "tensors.stats"
             raise InvalidBatch(
