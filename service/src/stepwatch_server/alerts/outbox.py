@@ -67,21 +67,19 @@ def claim(
     order.
     """
     lease_until = now + dt.timedelta(seconds=config.timeout_s + LEASE_MARGIN_S)
-    due = select(AlertDelivery.id).where(
-        AlertDelivery.status == "pending", AlertDelivery.next_attempt_at <= now
+    heads = (  # each channel's oldest pending message (ids grow in the order messages are written)
+        select(func.min(AlertDelivery.id))
+        .where(AlertDelivery.status == "pending")
+        .group_by(AlertDelivery.channel)
     )
-    with engine.connect() as conn:  # a read first: an idle collector takes no write lock
-        if conn.execute(due.limit(1)).first() is None:
+    due = (AlertDelivery.id.in_(heads), AlertDelivery.next_attempt_at <= now)
+    with engine.connect() as conn:  # a read first: a collector with nothing due takes no write lock
+        if conn.execute(select(AlertDelivery.id).where(*due).limit(1)).first() is None:
             return []
     with write_transaction(engine) as conn:
-        heads = (  # each channel's oldest pending message (ids grow in the order messages are written)
-            select(func.min(AlertDelivery.id))
-            .where(AlertDelivery.status == "pending")
-            .group_by(AlertDelivery.channel)
-        )
         rows = conn.execute(
             select(AlertDelivery.__table__)
-            .where(AlertDelivery.id.in_(heads), AlertDelivery.next_attempt_at <= now)
+            .where(*due)
             .order_by(AlertDelivery.next_attempt_at, AlertDelivery.id)
             .limit(CLAIM_BATCH)
             .with_for_update(skip_locked=True)
