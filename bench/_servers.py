@@ -97,12 +97,31 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
             process.wait(STOP_TIMEOUT_S)
 
 
-@contextlib.contextmanager
-def collector(database_url: str, *, log_path: Path | None = None) -> Iterator[Receiver]:
-    """`stepwatch-server serve` on a free loopback port, in a child process."""
-    port = free_port()
+def child_env(source: Path | None = None) -> dict[str, str]:
+    """The environment of a collector child process: with `source`, that tree's code comes first."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if source is not None:
+        paths = [str(source / "service" / "src"), str(source / "agent" / "src")]
+        env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.pop("STEPWATCH_TOKEN", None)
+    return env
+
+
+def imported_from(source: Path | None = None) -> str:
+    """Where a child process started with `child_env(source)` imports the collector from."""
+    code = "import stepwatch_server; print(stepwatch_server.__file__)"
+    done = subprocess.run([sys.executable, "-c", code], env=child_env(source), capture_output=True, text=True)
+    return done.stdout.strip() or done.stderr.strip()[-300:]
+
+
+@contextlib.contextmanager
+def collector(
+    database_url: str, *, log_path: Path | None = None, source: Path | None = None
+) -> Iterator[Receiver]:
+    """`stepwatch-server serve` on a free loopback port, in a child process; with `source` (a checkout's
+    root, e.g. an older commit's `git archive`), that tree's collector instead of the importable one."""
+    port = free_port()
+    env = child_env(source)
     log = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115 (closed below)
     cmd = [sys.executable, "-m", "stepwatch_server.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--database-url", database_url]

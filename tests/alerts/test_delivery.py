@@ -8,6 +8,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,6 +17,7 @@ from stepwatch_server.alerts.transport import redact
 from tests.alerts.conftest import write_config
 from tests.alerts.helpers import config_text, post_nan_runs, settled
 from tests.alerts.receiver import Receiver
+from tests.detect.service_helpers import batch, session
 from tests.service.conftest import Collector
 
 DOWN_S = 30.0
@@ -31,15 +33,20 @@ def test_receiver_down_for_30_s_then_everything_arrives_once(
     runs = [f"down-{i}" for i in range(4)]
     post_nan_runs(collector.post, runs)  # 4 critical NaNs: each to the Slack and the webhook channel
     deadline = time.monotonic() + DOWN_S
-    while True:  # every message composed and failed at least once while the receiver is down
+    while True:  # every message composed; each channel's first failed at least twice, the rest wait
         deliveries = collector.get("/api/v1/alerts")["deliveries"]
         assert collector.get("/api/v1/alerts")["worker"]["errors"] == 0
-        if len(deliveries) == 8 and all(d["attempts"] >= 2 for d in deliveries):
+        firsts = {
+            min((d["id"] for d in deliveries if d["channel"] == c), default=0) for c in ("team", "pager")
+        }
+        if len(deliveries) == 8 and all(d["attempts"] >= 2 for d in deliveries if d["id"] in firsts):
             break
         assert time.monotonic() < deadline, deliveries
         time.sleep(0.2)
     assert {d["status"] for d in deliveries} == {"pending"}
-    assert all("cannot connect" in d["last_error"] for d in deliveries), deliveries
+    tried = [d for d in deliveries if d["id"] in firsts]
+    assert all("cannot connect" in d["last_error"] for d in tried), deliveries
+    assert all(d["attempts"] == 0 for d in deliveries if d["id"] not in firsts), deliveries  # in order
     time.sleep(max(0.0, DOWN_S - (time.monotonic() - down_at)))
     receiver.start()  # same port
 
@@ -48,7 +55,12 @@ def test_receiver_down_for_30_s_then_everything_arrives_once(
     keys = Counter(r.key for r in receiver.received)
     assert keys == Counter({d["idempotency_key"]: 1 for d in log})  # each message exactly once
     assert sorted(r.json["run"] for r in receiver.on("/hook")) == runs
-    assert all(d["attempts"] >= 3 for d in log)  # retried with backoff (max 2 s) through the 30 s
+    for channel, path in (("team", "/slack"), ("pager", "/hook")):  # each channel in the order written
+        written = [
+            d["idempotency_key"] for d in sorted(log, key=lambda d: d["id"]) if d["channel"] == channel
+        ]
+        assert [r.key for r in receiver.on(path)] == written
+    assert all(d["attempts"] >= 3 for d in log if d["id"] in firsts)  # retried with backoff (max 2 s)
     assert time.monotonic() - down_at < DOWN_S + 15  # failed attempts did not use up the rate limit
 
 
@@ -129,11 +141,73 @@ def test_rate_limit_holds_back_what_exceeds_it(
     deadline = time.monotonic() + 20.0
     while True:
         body = collector.get("/api/v1/alerts")
-        if len(body["deliveries"]) == 5 and body["worker"]["rate_limited"] >= 3:
+        held = [d for d in body["deliveries"] if d["status"] == "pending"]
+        if len(body["deliveries"]) == 5 and any(d["next_attempt_at"] != d["created_at"] for d in held):
             break
         assert time.monotonic() < deadline, body
         time.sleep(0.1)
-    held = [d for d in body["deliveries"] if d["status"] == "pending"]
-    assert len(held) == 3 and len(receiver.received) == 2
+    assert len(held) == 3 and len(receiver.received) == 2 and body["worker"]["rate_limited"] >= 1
+    # The oldest held message waits for the limit to free up, and the others wait behind it.
+    first = min(held, key=lambda d: d["id"])
     now = dt.datetime.now(dt.UTC)
-    assert all(dt.datetime.fromisoformat(d["next_attempt_at"]) > now + dt.timedelta(seconds=40) for d in held)
+    assert dt.datetime.fromisoformat(first["next_attempt_at"]) > now + dt.timedelta(seconds=40)
+    assert all(d["attempts"] == 0 for d in held)
+
+
+def _nan_then_clean(collector: Collector, run: str, after_first: Callable[[], None]) -> None:
+    """A run-wide NaN (an open), then 30 clean steps (its resolve, after the detector's 20)."""
+    sid = session()
+    loss: list[Any] = [2.0] * 10
+    loss[4] = "Infinity"
+    assert collector.post(batch(run, sid, 0, 0, 1, list(range(1, 11)), loss=loss)).status_code == 200
+    after_first()
+    clean = batch(run, sid, 1, 0, 1, list(range(11, 41)), loss=[2.0] * 30)
+    assert collector.post(clean).status_code == 200
+
+
+def test_a_resolve_waits_for_its_open_while_the_open_waits_out_a_retry(
+    start_collector: Callable[..., Collector], receiver: Receiver, secrets: dict[str, str], tmp_path: Path
+) -> None:
+    """The receiver fails the open once (503, Retry-After 3 s) and the resolve is composed meanwhile, due
+    at once. A claim that took any due row sent the resolve first; only a channel's oldest pending
+    message may go, so the channel waits for the open's retry."""
+    collector = start_collector(alerts=load_config(write_config(tmp_path, webhook_only(receiver))))
+    receiver.script = [(503, {"Retry-After": "3"})]
+    _nan_then_clean(
+        collector,
+        "flaky",
+        lambda: receiver.wait_for(lambda: len(receiver.received) >= 1, 20.0, "the open's first attempt"),
+    )
+    log = {d["event"]: d for d in settled(collector)["deliveries"]}
+    assert sorted(log) == ["open", "resolve"] and {d["status"] for d in log.values()} == {"delivered"}
+    # The case at issue: the resolve was written (and due) before the open's retry went out.
+    assert log["resolve"]["created_at"] < log["open"]["delivered_at"]
+    hooks = receiver.on("/hook")
+    assert [(h.json["event"], h.answered) for h in hooks] == [("open", 503), ("open", 200), ("resolve", 200)]
+
+
+def test_a_channel_waiting_out_a_retry_does_not_hold_back_another_channel(
+    start_collector: Callable[..., Collector], receiver: Receiver, secrets: dict[str, str], tmp_path: Path
+) -> None:
+    """`pager` answers 503 with Retry-After 20 s: its messages wait, `other` (another receiver) gets its
+    open and its resolve meanwhile."""
+    other = Receiver().start()
+    try:
+        text = webhook_only(receiver).replace(
+            "routes:",
+            f"  other:\n    type: webhook\n    url: {other.url('/other')}\n"
+            "    secret_env: SW_TEST_HOOK_SECRET\nroutes:",
+        )
+        text = text.replace("channels: pager", "channels: [pager, other]")
+        collector = start_collector(alerts=load_config(write_config(tmp_path, text)))
+        receiver.script = [(503, {"Retry-After": "20"})]
+        _nan_then_clean(
+            collector,
+            "stuck",
+            lambda: receiver.wait_for(lambda: bool(receiver.received), 20.0, "pager's open"),
+        )
+        other.wait_for(lambda: len(other.received) >= 2, 15.0, "other's open and resolve")
+        assert [r.json["event"] for r in other.received] == ["open", "resolve"]
+        assert [(r.json["event"], r.answered) for r in receiver.on("/hook")] == [("open", 503)]
+    finally:
+        other.stop()

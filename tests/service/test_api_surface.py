@@ -118,6 +118,8 @@ def test_the_readme_limits_table_states_the_enforced_limits() -> None:
     values = rows["values in one batch (scalars, tensor statistics, fingerprints, events)"]
     assert values == f"{schema.MAX_VALUES_PER_BATCH:,}"
     assert rows["world size (ranks in a run)"] == f"{schema.MAX_WORLD_SIZE:,}"
+    names = rows["series names per run (metric names, and each tensor statistic of a module)"]
+    assert names == f"{schema.MAX_SERIES_PER_RUN:,}"
     assert rows["step"] == "0 to 2^62" and schema.MAX_STEP == 2**62
     assert rows["one event's `data`"].startswith(
         f"{schema.MAX_EVENT_DATA_BYTES // 1024} KiB as JSON, nested at most {schema.MAX_EVENT_DATA_DEPTH} deep"

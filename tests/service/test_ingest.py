@@ -233,3 +233,37 @@ def test_run_names_with_slashes(collector: Collector) -> None:
 def test_healthz(collector: Collector) -> None:
     body = collector.get("/healthz")
     assert body["status"] == "ok" and body["database"] in {"sqlite", "postgresql"}
+
+
+def test_a_batch_taking_a_run_over_the_series_name_limit_is_422_and_stores_nothing(
+    collector: Collector,
+) -> None:
+    """Names already stored for the run (by any rank) count with the batch's new ones; a batch that would
+    pass MAX_SERIES_PER_RUN is refused whole, one that reaches it exactly is stored."""
+    from stepwatch_server.ingest.schema import MAX_SERIES_PER_RUN
+
+    run, rank0, rank1 = "wide-run", uuid.uuid4().hex, uuid.uuid4().hex
+    names = [f"layers.{i}.stat" for i in range(MAX_SERIES_PER_RUN - 3)]
+    first = steps_batch(run, rank0, 0, [1], world_size=2, **{n: [1.0] for n in names})
+    assert collector.post(first).status_code == 200
+
+    def second(new_metrics: int, new_amax: int) -> dict[str, Any]:
+        # Two names the run has, and new ones: metrics and a tensor statistic (each its own series).
+        metrics = {names[0]: [2.0], names[1]: [2.0]} | {f"new.{i}": [2.0] for i in range(new_metrics)}
+        batch = steps_batch(run, rank1, 0, [1], rank=1, world_size=2, **metrics)
+        batch["tensors"] = {"steps": [1], "stats": {"amax": {f"mod.{i}": [3.0] for i in range(new_amax)}}}
+        return batch
+
+    before = collector.counts()
+    over = collector.post(second(new_metrics=2, new_amax=2))  # 4 new: one over the limit
+    assert over.status_code == 422, over.text
+    error = over.json()["error"]
+    assert error["code"] == "too_many_series" and error["field"] == "metrics"
+    assert f"{MAX_SERIES_PER_RUN:,}" in error["message"] and f"{MAX_SERIES_PER_RUN - 3:,}" in error["message"]
+    assert collector.counts() == before
+
+    at_limit = collector.post(second(new_metrics=2, new_amax=1))  # the same (session, seq), 3 new
+    assert at_limit.status_code == 200, at_limit.text
+    assert at_limit.json()["rows"] == 5
+    assert collector.counts()["series"] == MAX_SERIES_PER_RUN
+    assert collector.post(steps_batch("other-run", uuid.uuid4().hex, 0, [1], x=[1.0])).status_code == 200

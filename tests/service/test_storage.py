@@ -105,6 +105,102 @@ def test_concurrent_new_sessions_of_one_rank_get_distinct_incarnations(database_
         engine.dispose()
 
 
+def test_large_batches_of_known_names_store_the_same_rows_built_before_the_transaction(
+    database_url: str,
+) -> None:
+    """A large batch whose run, incarnation and names are known has its rows built before the write
+    transaction (from the cache, or read from the database by a writer that has no cache); what is stored
+    is the same: each value under its own series, step and incarnation, a new session's included."""
+    from stepwatch_server.ingest.store import PREBUILD_MIN_ROWS
+    from stepwatch_server.storage.models import Series
+
+    names = [f"layers.{i}.x" for i in range(PREBUILD_MIN_ROWS // 5)]
+    rng = np.random.default_rng(3)
+
+    def wide(
+        session: str, seq: int, steps: list[int]
+    ) -> tuple[dict[str, object], dict[tuple[str, int], float]]:
+        values = {n: rng.uniform(0, 9, len(steps)).tolist() for n in names}
+        expected = {(n, s): v for n, col in values.items() for s, v in zip(steps, col, strict=True)}
+        return steps_batch("wide", session, seq, steps, **values), expected
+
+    engine = make_engine(database_url)
+    try:
+        upgrade(engine)
+        writer = BatchWriter(engine)
+        first, second = uuid.uuid4().hex, uuid.uuid4().hex
+        stored: dict[tuple[str, int, int], float] = {}
+        plan = [(writer, first, 0, 1, False), (writer, first, 1, 6, True), (writer, second, 0, 1, True)]
+        plan.append((BatchWriter(engine), first, 2, 11, True))  # a writer with an empty cache
+        for w, session, seq, step0, known in plan:
+            doc, expected = wide(session, seq, list(range(step0, step0 + 5)))
+            batch = parse_batch(doc)
+            assert (w._prebuild(batch) is not None) == known
+            result = w.write(batch)
+            assert result.rows == len(expected) >= PREBUILD_MIN_ROWS
+            stored.update({(n, s, result.incarnation): v for (n, s), v in expected.items()})
+        with engine.connect() as conn:
+            rows = conn.execute(
+                select(Series.name, Point.step, Point.incarnation, Point.value).join(
+                    Series, Series.id == Point.series_id
+                )
+            ).all()
+        assert {(n, s, i): v for n, s, i, v in rows} == stored
+        assert {i for _, _, i in stored} == {1, 2}
+    finally:
+        engine.dispose()
+
+
+def test_concurrent_batches_adding_names_to_one_run_never_pass_the_limit_together(database_url: str) -> None:
+    """Two collectors (writers with their own caches) add 10,000 new names each to a run that has one,
+    at the same moment: one of them fits and the other is refused, whichever comes first (on
+    PostgreSQL both read the run's names before either commits unless they take turns)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from stepwatch_server.errors import InvalidBatch
+    from stepwatch_server.ingest.schema import MAX_SERIES_PER_RUN
+
+    engine = make_engine(database_url)
+    try:
+        upgrade(engine)
+        first = steps_batch("crowd", uuid.uuid4().hex, 0, [1], world_size=3, first=[1.0])
+        BatchWriter(engine).write(parse_batch(first))
+        half = MAX_SERIES_PER_RUN // 2
+        batches = [  # ranks 1 and 2: their new sessions do not take turns for another reason
+            parse_batch(
+                steps_batch(
+                    "crowd",
+                    uuid.uuid4().hex,
+                    0,
+                    [1],
+                    rank=k,
+                    world_size=3,
+                    **{f"w{k}.{i}": [1.0] for i in range(half)},
+                )
+            )
+            for k in (1, 2)
+        ]
+        start = threading.Barrier(2)
+
+        def write(batch: object) -> str:
+            writer = BatchWriter(engine)
+            start.wait()
+            try:
+                writer.write(batch)  # type: ignore[arg-type]
+            except InvalidBatch as exc:
+                assert exc.code == "too_many_series"
+                return "refused"
+            return "stored"
+
+        with ThreadPoolExecutor(2) as pool:
+            outcomes = sorted(pool.map(write, batches))
+        assert outcomes == ["refused", "stored"]
+        assert table_counts(database_url)["series"] == 1 + half
+    finally:
+        engine.dispose()
+
+
 @pytest.mark.parametrize("table", [t.name for t in ALL_TABLES])
 def test_constraint_names_follow_the_convention(table: str) -> None:
     t = Base.metadata.tables[table]

@@ -5,6 +5,10 @@ one bulk UPDATE; if the process dies while sending, the row is simply due again 
 out, and is sent again with the same idempotency key (at least once). On PostgreSQL the claim uses
 `FOR UPDATE SKIP LOCKED`, so several collectors on one database never send one row at once.
 
+Order: a channel gets its messages one at a time, in the order they were written. Only its oldest
+pending message is ever claimable; while that one waits (a retry's backoff, the rate limit, a lease),
+the channel waits with it, and other channels go on.
+
 Retries: exponential backoff from `BACKOFF_BASE_S`, doubled per attempt up to `max_backoff_s`, with
 jitter (a random 50-100% of it), and never earlier than the receiver's `Retry-After`. A retry that
 would fall after the delivery's deadline (`deadline_s` after it was composed) is not made: the row
@@ -19,7 +23,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, bindparam, select, update
+from sqlalchemy import Engine, bindparam, func, select, update
 
 from stepwatch_server.alerts import stats
 from stepwatch_server.alerts.config import AlertsConfig
@@ -54,21 +58,28 @@ def claim(
 ) -> list[Claimed]:
     """Claim up to `limit` due deliveries that their channels' rate limits allow; defer the others.
 
-    One message per channel at a time, the oldest due first: nothing is claimed for a channel in `busy`
-    (a send to it is in flight) and at most one per channel per call, so a channel receives its messages
-    in the order they were written (a resolve never overtakes its open).
+    One message per channel at a time, in the order they were written: only a channel's oldest pending
+    message may be claimed, and while it is not due (waiting out a retry's backoff or Retry-After, held by
+    the rate limit, or leased to a send in flight) nothing behind it in that channel goes, so a resolve
+    never overtakes its open. Other channels are not held back. Nothing is claimed for a channel in `busy`
+    (a send to it is in flight here). The unit is the channel, not the alert: a receiver's backoff
+    (Slack's 429 and Retry-After are per webhook) is about the channel, and its reader sees the story in
+    order.
     """
     lease_until = now + dt.timedelta(seconds=config.timeout_s + LEASE_MARGIN_S)
-    due = select(AlertDelivery.id).where(
-        AlertDelivery.status == "pending", AlertDelivery.next_attempt_at <= now
+    heads = (  # each channel's oldest pending message (ids grow in the order messages are written)
+        select(func.min(AlertDelivery.id))
+        .where(AlertDelivery.status == "pending")
+        .group_by(AlertDelivery.channel)
     )
-    with engine.connect() as conn:  # a read first: an idle collector takes no write lock
-        if conn.execute(due.limit(1)).first() is None:
+    due = (AlertDelivery.id.in_(heads), AlertDelivery.next_attempt_at <= now)
+    with engine.connect() as conn:  # a read first: a collector with nothing due takes no write lock
+        if conn.execute(select(AlertDelivery.id).where(*due).limit(1)).first() is None:
             return []
     with write_transaction(engine) as conn:
         rows = conn.execute(
             select(AlertDelivery.__table__)
-            .where(AlertDelivery.status == "pending", AlertDelivery.next_attempt_at <= now)
+            .where(*due)
             .order_by(AlertDelivery.next_attempt_at, AlertDelivery.id)
             .limit(CLAIM_BATCH)
             .with_for_update(skip_locked=True)
@@ -80,7 +91,7 @@ def claim(
             if len(claimed) >= limit:
                 break
             if row.channel in taken:
-                continue  # after the message before it; stays due for a later round
+                continue  # a send to it is in flight; stays due for a later round
             if row.channel not in config.channels:
                 error = f"channel {row.channel!r} is no longer in the configuration ({config.source})"
                 changes.append(

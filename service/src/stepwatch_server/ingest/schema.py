@@ -24,6 +24,13 @@ MAX_STEP = 2**62  # steps and counters must fit a signed 64-bit column with room
 EVENT_KINDS = frozenset({"nonfinite", "phase_start", "phase_end", "note", "session_end"})
 
 MAX_WORLD_SIZE = 131_072  # ranks in one run (8x Llama 3's 16,384 GPUs); a batch declaring more: 422
+# Distinct series per run, counted as the store counts them: each metric name, and each (statistic,
+# module) pair of `tensors` (a module with amax and grad_norm is two). A dense LLM watched in full needs a
+# few thousand (Llama 3 405B: 126 layers, ~1,100 parameters' grad norms and ~900 Linear modules' amax);
+# 20,000 leaves room for a mixture of experts' modules and user metrics, and bounds what one run costs:
+# its series dictionary in the writer's cache (a few MiB) and, on SQLite, the time one batch of new names
+# holds the write lock. A batch that would take its run past it: 422 `too_many_series`.
+MAX_SERIES_PER_RUN = 20_000
 # Event time in Unix seconds: from 1970 to the last second a datetime holds (9999-12-31T23:59:59 UTC).
 MIN_TS = 0.0
 MAX_TS = 253_402_300_799.0

@@ -5,6 +5,12 @@ idempotency record `(session, seq)`) is written in ONE transaction, so a batch i
 whole and acknowledged, or not at all. Values go in with executemany of prepared rows
 (`insert_points`), never one ORM object per value; names are turned into small integer series ids
 through a per-run dictionary that is cached in memory once committed.
+
+The transaction is kept to the writing itself, because on SQLite every other writer waits while one
+holds the write lock: parsing and validation run before it, a large batch's rows are built before it
+when its names are known (`_prebuild`), a run's names are read in one query, and a run has at most
+MAX_SERIES_PER_RUN names, so a batch can never make the transaction create more. It is not split into
+several transactions: a batch that fails half-way (database down, disk full) must leave nothing behind.
 """
 
 from __future__ import annotations
@@ -20,15 +26,14 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
-from sqlalchemy import Connection, Engine, Insert, Table, func, select, tuple_, update
+from sqlalchemy import Connection, Engine, Insert, Table, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.exc import TimeoutError as DatabaseTimeout
 
 from stepwatch_server.errors import InvalidBatch
-from stepwatch_server.ingest.schema import Batch, Column
-from stepwatch_server.storage.chunks import chunks
+from stepwatch_server.ingest.schema import MAX_SERIES_PER_RUN, Batch, Column
 from stepwatch_server.storage.engine import write_transaction
 from stepwatch_server.storage.models import (
     METRIC_STAT,
@@ -47,6 +52,7 @@ log = logging.getLogger(__name__)
 
 MAX_WRITE_ATTEMPTS = 5  # concurrent first batches of a run/rank/session race on unique keys; retry
 MAX_CACHED_RUNS = 256  # runs whose series ids are kept in memory (most recently written first)
+_SERIES_LOCK_KEY = -1  # PostgreSQL advisory lock (run_id, -1): adding a run's names (ranks are >= 0)
 
 
 class SeriesIds:
@@ -116,6 +122,7 @@ def insert_ignore(conn: Connection, table: Table) -> Insert:
 POINT_COLUMNS = ("series_id", "rank", "step", "incarnation", "value")
 PointRow = tuple[int, int, int, int, float]
 _POINTS_CHUNK_ROWS = 100_000  # bounds the size of one statement's parameters
+PREBUILD_MIN_ROWS = 10_000  # a batch of this many values has its rows built before the write lock
 _INSERT_POINTS_PG = (
     f"INSERT INTO points ({', '.join(POINT_COLUMNS)}) "
     "SELECT * FROM unnest(%s::integer[], %s::integer[], %s::bigint[], %s::integer[], %s::float8[]) "
@@ -171,6 +178,31 @@ def _column_rows(
     ]
 
 
+def _wanted(batch: Batch) -> list[tuple[str, str]]:
+    """The batch's series keys (stat, name), metrics first."""
+    wanted = [(METRIC_STAT, name) for name in batch.metrics]
+    return wanted + [(stat, name) for stat, cols in batch.tensors.items() for name in cols]
+
+
+def _point_rows(batch: Batch, series_ids: Mapping[tuple[str, str], int], incarnation: int) -> list[PointRow]:
+    rows: list[PointRow] = []
+    for name, col in batch.metrics.items():
+        rows += _column_rows(series_ids[(METRIC_STAT, name)], batch.rank, incarnation, batch.steps, col)
+    for stat, cols in batch.tensors.items():
+        for name, col in cols.items():
+            rows += _column_rows(series_ids[(stat, name)], batch.rank, incarnation, batch.tensor_steps, col)
+    return rows
+
+
+@dataclass(frozen=True, slots=True)
+class _Prebuilt:
+    """Value rows built before the transaction, for this run id and incarnation (BatchWriter._prebuild)."""
+
+    run_id: int
+    incarnation: int
+    rows: list[PointRow]
+
+
 class _Duplicate(Exception):
     def __init__(self, result: IngestResult) -> None:
         super().__init__("duplicate batch")
@@ -191,11 +223,12 @@ class BatchWriter:
         Returns only after the transaction committed. Raises InvalidBatch when the session id is
         already used by another run or rank.
         """
+        prebuilt = self._prebuild(batch)
         for attempt in range(1, MAX_WRITE_ATTEMPTS + 1):
             new_series: dict[tuple[str, str], int] = {}
             try:
                 with write_transaction(self.engine) as conn:
-                    result = self._write(conn, batch, new_series)
+                    result = self._write(conn, batch, new_series, prebuilt)
             except _Duplicate as dup:  # raised inside the transaction, which rolled back
                 return dup.result
             except IntegrityError:
@@ -213,9 +246,52 @@ class BatchWriter:
             return result
         raise AssertionError("unreachable")
 
+    def _prebuild(self, batch: Batch) -> _Prebuilt | None:
+        """A large batch's value rows, built before the write transaction from reads alone, when its run,
+        its incarnation and every one of its names are known already (the steady state of a wide run):
+        on SQLite every other writer waits while a transaction holds the write lock, and building a
+        million rows is about a sixth of storing them. None when something must be created first; the
+        transaction then builds the rows itself, and also when what it finds differs from these reads."""
+        if batch.value_rows() < PREBUILD_MIN_ROWS:
+            return None
+        with self.engine.connect() as conn:  # reads only: no write lock (SQLite's WAL readers never wait)
+            run_id = conn.execute(select(Run.id).where(Run.name == batch.run)).scalar()
+            if run_id is None:
+                return None
+            session = conn.execute(
+                select(AgentSession.run_id, AgentSession.rank, AgentSession.incarnation).where(
+                    AgentSession.id == batch.session
+                )
+            ).first()
+            if session is None:  # a new session: the transaction picks the next incarnation (likely this)
+                previous = conn.execute(
+                    select(func.max(AgentSession.incarnation)).where(
+                        AgentSession.run_id == run_id, AgentSession.rank == batch.rank
+                    )
+                ).scalar()
+                incarnation = int(previous or 0) + 1
+            elif (session.run_id, session.rank) == (run_id, batch.rank):
+                incarnation = int(session.incarnation)
+            else:
+                return None  # a session conflict: the transaction refuses it
+            wanted = _wanted(batch)
+            ids = self.series_ids.of_run(run_id)
+            if any(key not in ids for key in wanted):
+                ids = self._stored_series(conn, run_id)  # committed ids: safe to cache
+                if any(key not in ids for key in wanted):
+                    return None
+                self.series_ids.add(run_id, ids)
+        return _Prebuilt(run_id, incarnation, _point_rows(batch, ids, incarnation))
+
     # -- inside the transaction -------------------------------------------------------------
 
-    def _write(self, conn: Connection, batch: Batch, new_series: dict[tuple[str, str], int]) -> IngestResult:
+    def _write(
+        self,
+        conn: Connection,
+        batch: Batch,
+        new_series: dict[tuple[str, str], int],
+        prebuilt: _Prebuilt | None = None,
+    ) -> IngestResult:
         now = _utcnow()
         run_id = self._run_id(conn, batch, now)
         incarnation, new_session = self._session(conn, batch, run_id, now)
@@ -229,17 +305,10 @@ class BatchWriter:
                 IngestResult(rows=0, duplicates=rows, incarnation=incarnation, run_id=run_id, duplicate=True)
             )
 
-        series_ids = self._series(conn, run_id, batch, new_series)
-        point_rows: list[PointRow] = []
-        for name, col in batch.metrics.items():
-            point_rows += _column_rows(
-                series_ids[(METRIC_STAT, name)], batch.rank, incarnation, batch.steps, col
-            )
-        for stat, cols in batch.tensors.items():
-            for name, col in cols.items():
-                point_rows += _column_rows(
-                    series_ids[(stat, name)], batch.rank, incarnation, batch.tensor_steps, col
-                )
+        if prebuilt is not None and (prebuilt.run_id, prebuilt.incarnation) == (run_id, incarnation):
+            point_rows = prebuilt.rows  # every name had an id already: none to create, none to count
+        else:
+            point_rows = _point_rows(batch, self._series(conn, run_id, batch, new_series), incarnation)
         insert_points(conn, point_rows)
         value_steps = [a for a in (batch.steps, batch.tensor_steps) if a.size]
 
@@ -369,32 +438,44 @@ class BatchWriter:
     def _series(
         self, conn: Connection, run_id: int, batch: Batch, new_series: dict[tuple[str, str], int]
     ) -> dict[tuple[str, str], int]:
-        wanted = [(METRIC_STAT, name) for name in batch.metrics]
-        wanted += [(stat, name) for stat, cols in batch.tensors.items() for name in cols]
-        ids: dict[tuple[str, str], int] = {}
-        missing: list[tuple[str, str]] = []
+        """The batch's series ids, creating the names the run does not have yet, unless that would take
+        the run past MAX_SERIES_PER_RUN (InvalidBatch; the transaction then rolls back whole)."""
+        wanted = _wanted(batch)
         known = self.series_ids.of_run(run_id)
-        for key in wanted:
-            sid = known.get(key)
-            if sid is None:
-                missing.append(key)
-            else:
-                ids[key] = sid
-        if missing:
-            conn.execute(
-                insert_ignore(conn, _SERIES),
-                [{"run_id": run_id, "stat": stat, "name": name} for stat, name in missing],
+        missing = [key for key in wanted if key not in known]
+        if not missing:  # the steady state: every name cached, nothing read
+            return {key: known[key] for key in wanted}
+        stored = self._stored_series(conn, run_id)  # the whole dictionary: at most the limit, one query
+        new = [key for key in dict.fromkeys(missing) if key not in stored]
+        if new and conn.dialect.name == "postgresql":
+            # Writers that add names to one run take turns (until commit), so that each counts the
+            # others' names and the limit holds exactly; those that only found names stored by others
+            # (the ranks of a starting run) do not queue. SQLite's one writer gives the same for free.
+            conn.execute(select(func.pg_advisory_xact_lock(run_id, _SERIES_LOCK_KEY)))
+            stored = self._stored_series(conn, run_id)
+            new = [key for key in new if key not in stored]
+        if len(stored) + len(new) > MAX_SERIES_PER_RUN:
+            field = "metrics" if any(stat == METRIC_STAT for stat, _ in new) else "tensors.stats"
+            raise InvalidBatch(
+                f"{field}: run {batch.run!r} would have {len(stored) + len(new):,} series names "
+                f"({len(stored):,} stored and {len(new):,} new in this batch); the limit is "
+                f"{MAX_SERIES_PER_RUN:,} per run (each metric name and each tensor statistic of a module "
+                "counts): reuse names, or log fewer modules",
+                field=field,
+                code="too_many_series",
             )
-            for chunk in chunks(missing, 500):  # a tuple IN list: 2 parameters a name
-                found = conn.execute(
-                    select(Series.stat, Series.name, Series.id).where(
-                        Series.run_id == run_id, tuple_(Series.stat, Series.name).in_(chunk)
-                    )
-                )
-                for stat, name, sid in found:
-                    ids[(stat, name)] = sid
-                    new_series[(stat, name)] = sid
-        return ids
+        if new:
+            conn.execute(
+                insert_ignore(conn, _SERIES), [{"run_id": run_id, "stat": s, "name": n} for s, n in new]
+            )
+            stored = self._stored_series(conn, run_id)
+        new_series.update(stored)  # cached once committed: the run's names need not be read again
+        return {key: stored[key] for key in wanted}
+
+    @staticmethod
+    def _stored_series(conn: Connection, run_id: int) -> dict[tuple[str, str], int]:
+        found = conn.execute(select(Series.stat, Series.name, Series.id).where(Series.run_id == run_id))
+        return {(stat, name): sid for stat, name, sid in found}
 
     def _rank(self, conn: Connection, batch: Batch, run_id: int, incarnation: int, now: dt.datetime) -> None:
         query = select(Rank).where(Rank.run_id == run_id, Rank.rank == batch.rank)

@@ -44,6 +44,7 @@ REJECT_REASONS = (
     "invalid_field",
     "unsupported_schema",
     "session_conflict",
+    "too_many_series",
     "internal_error",
 )
 ALERT_CHANNEL_TYPES = ("slack", "webhook")
