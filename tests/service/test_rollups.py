@@ -11,11 +11,12 @@ import datetime as dt
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import orjson
 import pytest
-from sqlalchemy import Connection, Engine, insert, select
+from sqlalchemy import Connection, Engine, event, insert, select
 
 from stepwatch_server.dashboard.heatmap import heatmap, heatmap_from_rollups
 from stepwatch_server.ingest.store import POINT_COLUMNS, PointRow, insert_points
@@ -333,6 +334,40 @@ def test_the_worker_rolls_up_what_is_left_when_it_stops(engine: Engine) -> None:
     worker.stop()
     assert not worker.running and worker.stats()["dirty_runs"] == 0
     assert worker.stats()["rolled_ranges"] == STEPS // (2 * rollups.BUCKET_STEPS)
+    with engine.connect() as conn:
+        assert rollups.rolled_to(conn, list(ids.values())) == STEPS - 1
+        _assert_rollups_equal_raw(conn, ids, False)
+        _assert_rollups_equal_raw(conn, ids, True)
+
+
+def test_a_round_is_written_in_transactions_of_at_most_so_many_values(engine: Engine) -> None:
+    """A bucket of a wide run (20,000 names: 1.28M values) held SQLite's write lock 3-4 s in one
+    transaction, starving ingest; a round's series now go in groups of about `max_values_per_transaction`
+    values, each its own transaction, the watermark raised with the last."""
+    ids = _write(engine, None)
+    per_series = STEPS * RANKS  # one round holds the whole range here
+    worker = RollupWorker(engine, max_values_per_transaction=per_series)  # one series a transaction
+    with engine.connect() as conn:
+        run_id = conn.execute(select(Series.run_id).where(Series.id == ids["loss"])).scalar_one()
+    rolled: list[int] = [0]  # rollup INSERTs per transaction, the open one last
+
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.lstrip().upper().startswith("INSERT INTO STEP_ROLLUPS"):
+            rolled[-1] += 1
+
+    def committed(conn: Any) -> None:
+        rolled.append(0)
+
+    event.listen(engine, "before_cursor_execute", count)
+    event.listen(engine, "commit", committed)
+    try:
+        worker.submit(run_id, 0, STEPS - 1)
+        worker.start()
+        worker.stop()
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
+        event.remove(engine, "commit", committed)
+    assert [n for n in rolled if n] == [1] * len(ids), rolled  # one transaction per series
     with engine.connect() as conn:
         assert rollups.rolled_to(conn, list(ids.values())) == STEPS - 1
         _assert_rollups_equal_raw(conn, ids, False)

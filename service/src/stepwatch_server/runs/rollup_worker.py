@@ -6,10 +6,12 @@ returns, so ingest never waits and never touches a shared rollup row. Every `ROU
 thread takes the dirty ranges that are due (no new batch for `QUIET_S`, or dirty for `MAX_LAG_S`:
 while every rank keeps sending the same steps, re-reading them each round would cost more than
 ingest itself) and recomputes each from the raw points
-(`rollups.roll_up`: a DELETE and an INSERT ... SELECT ... GROUP BY per table, level and run, then the run's
-watermark), one short write transaction per run. A range of more than about `MAX_VALUES_PER_ROUND`
-values (series x ranks x steps) is done in slices of whole 64-step buckets, one transaction each
-(the rest stays dirty, due at once), so a backlog never holds the write lock long.
+(`rollups.plan`, then per group of its series `rollups.apply_part`: a DELETE and an INSERT ... SELECT ...
+GROUP BY per table and level; then the run's watermark). A range of more than about `MAX_VALUES_PER_ROUND`
+values (series x ranks x steps) is done in slices of whole 64-step buckets (the rest stays dirty, due at
+once), and a slice's series in groups of about `MAX_VALUES_PER_TRANSACTION` values, one short write
+transaction each, the watermark raised after the last: neither a backlog nor a wide run (20,000 names)
+holds the write lock long, and each series' rollups are old or new, never half.
 Reads take the raw points above the watermark, so a view is complete while the worker lags.
 
 A roll-up that fails (a database error, a value that breaks a statement, a bug of ours) is not
@@ -48,7 +50,8 @@ log = logging.getLogger(__name__)
 ROUND_INTERVAL_S = 0.5
 QUIET_S = 0.5  # a run's range is rolled up once no batch widened it for this long ...
 MAX_LAG_S = 3.0  # ... or once it has been dirty this long
-MAX_VALUES_PER_ROUND = 2_000_000  # per run and transaction: about the most values one roll-up reads
+MAX_VALUES_PER_ROUND = 2_000_000  # per run and round: about the most values one roll-up reads ...
+MAX_VALUES_PER_TRANSACTION = 200_000  # ... in transactions of about this many (groups of its series)
 STOP_DEADLINE_S = 5.0
 BACKLOG_PAUSE_S = 0.02  # between the slices of a long range, so ingest's writes get the lock
 RETRY_FIRST_S = 1.0  # a run whose roll-up failed waits this long, doubled per failure ...
@@ -82,10 +85,12 @@ class RollupWorker:
         self,
         engine: Engine,
         max_values_per_round: int = MAX_VALUES_PER_ROUND,
+        max_values_per_transaction: int = MAX_VALUES_PER_TRANSACTION,
         retry_first_s: float = RETRY_FIRST_S,
     ) -> None:
         self.db = engine
         self.max_values_per_round = max_values_per_round
+        self.max_values_per_transaction = max_values_per_transaction
         self.retry_first_s = retry_first_s
         self._dirty: dict[int, _Dirty] = {}  # run id -> its steps not rolled up yet
         self._trouble: dict[int, _Trouble] = {}  # run id -> its failing range (the thread's own)
@@ -211,7 +216,14 @@ class RollupWorker:
         try:
             with write_transaction(self.db) as conn:
                 planned = rollups.plan(conn, run_id, first, last, max_values)
-                rollups.apply(conn, planned)
+                groups = rollups.parts(conn, planned, self.max_values_per_transaction)
+            for i, ids in enumerate(groups):  # short transactions: ingest's writes get the lock between
+                if i:
+                    time.sleep(BACKLOG_PAUSE_S)
+                with write_transaction(self.db) as conn:
+                    rollups.apply_part(conn, planned, ids)
+            with write_transaction(self.db) as conn:
+                rollups.finish(conn, planned)
         except Exception as exc:
             return self._failed(run_id, first, planned, exc)
         self.rolled_ranges += 1

@@ -232,10 +232,37 @@ def plan(conn: Connection, run_id: int, first_step: int, last_step: int, max_val
 
 
 def apply(conn: Connection, r: Round) -> None:
-    """Round `r`: per chunk of its series (`chunk_size`: within every driver's limit on bind
-    parameters), a DELETE and an INSERT ... SELECT ... GROUP BY per table, then the coarser rank
-    rollup levels' whole buckets from the level below (`_roll_levels`); then the watermark."""
-    _rewrite(conn, r, _ROLL)
+    """Round `r` in one transaction: each group of its series (`parts`), then the watermark."""
+    for ids in parts(conn, r):
+        apply_part(conn, r, ids)
+    finish(conn, r)
+
+
+def parts(conn: Connection, r: Round, max_values: int = NO_LIMIT) -> list[list[int]]:
+    """Round `r`'s series in groups within every driver's limit on bind parameters (`chunk_size`) and
+    of about `max_values` values each (series x ranks x steps, at least one series): the rollup worker
+    writes each group in a transaction of its own, so that a wide run's bucket (20,000 names: 1.28M
+    values) does not hold SQLite's write lock for seconds."""
+    per_series = (r.last - r.first + 1) * (MAX_RANK_LIST if r.ranks is None else max(1, len(r.ranks)))
+    size = min(chunk_size(conn, fixed=len(r.ranks or ()) + _SCALAR_PARAMS), max(1, max_values // per_series))
+    return [list(part) for part in chunks(r.ids, size)]
+
+
+def apply_part(
+    conn: Connection, r: Round, ids: list[int], statements: dict[bool, list[Any]] | None = None
+) -> None:
+    """Round `r` for series `ids`: a DELETE and an INSERT ... SELECT ... GROUP BY per table, then the
+    coarser rank rollup levels' whole buckets from the level below (`_roll_levels`). Each series'
+    rollups change in one transaction: a reader sees a series' old rollups or its new ones."""
+    ranked, params = ranked_params({"ids": ids, "first": r.first, "last": r.last}, r.ranks)
+    for statement in (statements or _ROLL)[ranked]:
+        conn.execute(statement, params)
+    _roll_levels(conn, ids, r.ranks, r.first, r.last, max(r.mark, r.last_step))
+
+
+def finish(conn: Connection, r: Round) -> None:
+    """Raise the run's watermark past round `r` (once every group of its series is written)."""
+    conn.execute(_MARK, {"run": r.run_id, "to": r.last_step})
 
 
 def skip(conn: Connection, r: Round) -> None:
@@ -243,18 +270,9 @@ def skip(conn: Connection, r: Round) -> None:
     rollups of its buckets, so that the views read from rollups leave those steps out rather than
     show an older state of them, sum the coarser levels over them again from what is left, and raise
     the watermark past them so that the run's later steps are rolled up. The raw points are kept."""
-    _rewrite(conn, r, _SKIP)
-
-
-def _rewrite(conn: Connection, r: Round, statements: dict[bool, list[Any]]) -> None:
-    size = chunk_size(conn, fixed=len(r.ranks or ()) + _SCALAR_PARAMS)
-    for part in chunks(r.ids, size):
-        ids = list(part)
-        ranked, params = ranked_params({"ids": ids, "first": r.first, "last": r.last}, r.ranks)
-        for statement in statements[ranked]:
-            conn.execute(statement, params)
-        _roll_levels(conn, ids, r.ranks, r.first, r.last, max(r.mark, r.last_step))
-    conn.execute(_MARK, {"run": r.run_id, "to": r.last_step})
+    for ids in parts(conn, r):
+        apply_part(conn, r, ids, _SKIP)
+    finish(conn, r)
 
 
 def _roll_levels(
