@@ -35,6 +35,7 @@ STRAGGLER_RANK = 11
 SPIKE_STEP = 800
 STEPS = 1200
 LIVE_FROM_STEP = 1100  # fed after the page has loaded: these steps must arrive live
+EVAL_EVERY = 500  # an evaluation after steps 500 and 1000
 BROWSER_TIMEOUT_S = 150.0
 SCENARIO = Scenario(
     "dashboard",
@@ -43,6 +44,8 @@ SCENARIO = Scenario(
     seed=7,
     faults=(Straggler(STRAGGLER_RANK, 400, factor=1.3), LossSpike(SPIKE_STEP, magnitude=1.8)),
     flush_interval_s=20.0,  # fewer, larger batches: the run is fed in a few seconds
+    eval_every=EVAL_EVERY,  # evaluations in `watch.phase("eval")`: marked on the charts
+    eval_s=5.0,
 )
 HEALTHY = Scenario("healthy", 8, 300, seed=3, flush_interval_s=20.0)
 
@@ -91,6 +94,8 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         batches = iter(Simulation(SCENARIO))
         pending: list[dict[str, Any]] = []
         for doc in batches:
+            if doc["steps"]:  # the user's own scalar, as `watch.log(eval_loss=...)` sends it
+                doc["metrics"]["eval_loss"] = [3.0 - step / 1000 for step in doc["steps"]]
             if not _before_live(doc):
                 pending.append(doc)
                 break
@@ -150,12 +155,28 @@ def test_a_finished_run_says_finished_and_for_how_long_not_a_step_rate(report: d
 
 def test_run_page_draws_every_chart(report: dict[str, Any]) -> None:
     painted = {c["name"]: c["painted"] for c in report["canvases"]}
-    for metric in ("loss", "grad_norm", "lr", "time.step_ms"):
+    for metric in ("loss", "grad_norm", "lr", "time.step_ms", "eval_loss"):  # eval_loss: the user's own
         assert painted.get(metric, 0) > 0, (metric, report["canvases"])
     heatmaps = [c for c in report["canvases"] if "heatmap" in c["name"]]
     assert len(heatmaps) == 2 and all(c["painted"] > 0 for c in heatmaps), report["canvases"]
     amax = [c for c in report["canvases"] if "amax" in c["name"].lower()]
     assert amax and all(c["painted"] > 0 for c in amax), report["canvases"]
+
+
+def test_every_rank_of_a_16_rank_heatmap_is_labelled_and_the_memory_scale_is_not_stretched(
+    report: dict[str, Any],
+) -> None:
+    """Only every 6th rank was labelled (a straggler's row sat next to another rank's label), and the
+    memory scale spanned 367-370 MB, so normal drift looked like a leak."""
+    by_label = {h["label"]: h for h in report["heatmaps"]}
+    relative = next(h for label, h in by_label.items() if "median" in label)
+    assert relative["labelledRanks"] == 16, report["heatmaps"]
+    memory = next(h for label, h in by_label.items() if "Memory" in label)
+    assert memory["scaleHi"] - memory["scaleLo"] >= 0.05 * memory["scaleHi"] - 1e-9, memory
+
+
+def test_the_charts_mark_each_evaluation_the_user_wrapped_in_a_phase(report: dict[str, Any]) -> None:
+    assert report["phaseMarks"] == len(range(EVAL_EVERY, LIVE_FROM_STEP, EVAL_EVERY)), report["phaseMarks"]
 
 
 def test_anomaly_list_names_the_straggler_rank_and_the_spike_step(report: dict[str, Any]) -> None:

@@ -36,7 +36,7 @@ export class AmaxPanel {
     });
     this.group.setData(this.chart, tables.length === 1 ? tables[0] : joinTables(tables));
     this.table.replaceChildren(
-      el("thead", {}, el("tr", {}, ["Module", "Latest amax", `Headroom to ${limit}`, "Status"].map((h) => el("th", { scope: "col" }, h)))),
+      el("thead", {}, el("tr", {}, ["Module", "Latest amax", `Headroom to ${limit}`, "Status"].map((h, i) => el("th", { scope: "col", class: i === 1 || i === 2 ? "num" : "" }, h)))),
       el("tbody", {}, d.modules.map((m) => headroomRow(m, limit))),
     );
   }

@@ -1,5 +1,6 @@
 // Step-axis charts (uPlot) that share one x scale: zoom or pan one and every chart (and every listener,
-// e.g. the heatmaps) follows. Anomalies are drawn on all of them as vertical markers.
+// e.g. the heatmaps) follows. Anomalies are drawn on all of them as vertical markers, known pauses
+// (`watch.phase("eval")`, checkpoints) as grey ticks at the step they followed, labelled where there is room.
 import uPlot from "uplot";
 
 const AXIS = { stroke: "#aab2bf", grid: { stroke: "rgba(255,255,255,0.07)" }, ticks: { stroke: "rgba(255,255,255,0.15)" } };
@@ -10,6 +11,7 @@ export class ChartGroup {
   constructor() {
     this.charts = [];
     this.anomalies = [];
+    this.phases = []; // [{step, phase}]: a known pause after that step
     this.selected = null; // the anomaly id highlighted
     this.range = null; // [min, max] steps shown, null = everything
     this.listeners = [];
@@ -63,6 +65,11 @@ export class ChartGroup {
 
   setAnomalies(anomalies) {
     this.anomalies = anomalies;
+    for (const c of this.charts) c.redraw(false, false);
+  }
+
+  setPhases(phases) {
+    this.phases = phases;
     for (const c of this.charts) c.redraw(false, false);
   }
 
@@ -139,6 +146,26 @@ export class ChartGroup {
     const top = u.bbox.top;
     const bottom = top + u.bbox.height;
     ctx.save();
+    ctx.strokeStyle = "rgba(170, 178, 191, 0.45)";
+    ctx.fillStyle = "#aab2bf";
+    ctx.lineWidth = devicePixelRatio;
+    ctx.setLineDash([2 * devicePixelRatio, 3 * devicePixelRatio]);
+    ctx.font = `${10 * devicePixelRatio}px system-ui, sans-serif`;
+    ctx.textBaseline = "bottom";
+    let labelledUpTo = -Infinity;
+    for (const p of this.phases) {
+      const x = u.valToPos(p.step + 0.5, "x", true);
+      if (x < u.bbox.left || x > u.bbox.left + u.bbox.width) continue;
+      ctx.beginPath();
+      ctx.moveTo(x, top);
+      ctx.lineTo(x, bottom);
+      ctx.stroke();
+      if (x > labelledUpTo) { // a label where the last one ends, not on top of it
+        ctx.fillText(p.phase, x + 2 * devicePixelRatio, bottom - 2 * devicePixelRatio);
+        labelledUpTo = x + ctx.measureText(p.phase).width + 8 * devicePixelRatio;
+      }
+    }
+    ctx.setLineDash([]);
     for (const a of this.anomalies) {
       const x = u.valToPos(a.first_step, "x", true);
       if (x < u.bbox.left || x > u.bbox.left + u.bbox.width) continue;

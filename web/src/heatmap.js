@@ -7,6 +7,10 @@ import { el, fmtNum } from "./format.js";
 
 const DIVERGING = [[49, 99, 196], [38, 42, 54], [242, 169, 59], [255, 72, 72]]; // <1, 1, >1, >>1
 const SEQUENTIAL = [[30, 34, 48], [46, 110, 160], [110, 190, 140], [250, 220, 90]];
+const NEUTRAL_BAND = 0.03; // within ±3% of the median of all ranks: like its peers (noise), drawn neutral
+const MIN_SPAN = 0.05; // an absolute scale spans at least 5% of its top: 367-370 MB is drift, not a leak
+const TOP_PX = 8; // room above the first row, so its label is not cut
+const LABEL_PX = 13; // the height one rank label needs
 
 function lerp(stops, t) {
   const x = Math.min(1, Math.max(0, t)) * (stops.length - 1);
@@ -45,9 +49,10 @@ export class Heatmap {
   _colour(v, scale) {
     if (v === null) return null;
     if (this.mode === "median") {
-      // 0.9 -> blue, 1.0 -> neutral, 1.1 -> amber, >= 1.3 -> red
-      const t = v < 1 ? (v - 0.85) / 0.15 / 3 : 1 / 3 + Math.min(1, (v - 1) / 0.3) * (2 / 3);
-      return lerp(DIVERGING, t);
+      // within the band -> neutral; 0.85 -> blue; 1.1 -> amber; >= 1.3 -> red
+      if (Math.abs(v - 1) <= NEUTRAL_BAND) return DIVERGING[1];
+      if (v < 1) return lerp(DIVERGING, Math.max(0, (v - 0.85) / (0.15 - NEUTRAL_BAND)) / 3);
+      return lerp(DIVERGING, 1 / 3 + Math.min(1, (v - 1 - NEUTRAL_BAND) / (0.3 - NEUTRAL_BAND)) * (2 / 3));
     }
     return lerp(SEQUENTIAL, (v - scale.lo) / (scale.hi - scale.lo || 1));
   }
@@ -57,9 +62,10 @@ export class Heatmap {
     const dpr = devicePixelRatio || 1;
     const width = Math.max(320, this.canvas.parentElement.clientWidth);
     const rows = d ? d.ranks.length : 0;
-    const rowPx = rows > 128 ? 1 : rows > 32 ? 3 : 8;
+    const rowPx = rows > 128 ? 1 : rows > 32 ? 3 : LABEL_PX + 1; // up to 32 ranks: every one labelled
     const plotH = Math.max(64, rows * rowPx);
-    const height = plotH + 22;
+    const top = TOP_PX;
+    const height = top + plotH + 22;
     this.canvas.style.width = `${width}px`;
     this.canvas.style.height = `${height}px`;
     this.canvas.width = Math.round(width * dpr);
@@ -80,7 +86,8 @@ export class Heatmap {
     const x0 = d.steps[0];
     const x1 = d.steps[cols - 1] + d.bucket_steps;
     const scale = this._scale(d);
-    this.geometry = { left, plotW, plotH, rowPx: plotH / rows, x0, x1 };
+    this.geometry = { left, top, plotW, plotH, rowPx: plotH / rows, x0, x1 };
+    ctx.translate(0, top);
     const cellW = plotW / cols;
     const cellH = plotH / rows;
     for (let r = 0; r < rows; r++) {
@@ -95,8 +102,10 @@ export class Heatmap {
     ctx.fillStyle = "#aab2bf";
     ctx.font = "11px system-ui, sans-serif";
     ctx.textAlign = "right";
-    const every = Math.max(1, Math.ceil(rows / Math.max(1, Math.floor(plotH / 16))));
-    for (let r = 0; r < rows; r += every) ctx.fillText(`rank ${d.ranks[r]}`, left - 6, r * cellH + cellH / 2 + 4);
+    const every = Math.max(1, Math.ceil(LABEL_PX / cellH)); // the others: on hover, and the blamed rank
+    let labelled = 0;
+    for (let r = 0; r < rows; r += every, labelled++) ctx.fillText(`rank ${d.ranks[r]}`, left - 6, r * cellH + cellH / 2 + 4);
+    this.canvas.dataset.labelledRanks = String(labelled);
     ctx.textAlign = "center";
     const ticks = Math.max(2, Math.floor(plotW / 110));
     for (let i = 0; i <= ticks; i++) {
@@ -127,7 +136,12 @@ export class Heatmap {
     const all = d.values.flat().filter((v) => v !== null).sort((a, b) => a - b);
     if (!all.length) return { lo: 0, hi: 1 };
     const at = (q) => all[Math.min(all.length - 1, Math.floor(q * all.length))];
-    return { lo: at(0.02), hi: at(0.98) };
+    const [lo, hi] = [at(0.02), at(0.98)];
+    const span = Math.max(hi - lo, Math.abs(hi) * MIN_SPAN);
+    const mid = (lo + hi) / 2;
+    this.canvas.dataset.scaleLo = String(mid - span / 2);
+    this.canvas.dataset.scaleHi = String(mid + span / 2);
+    return { lo: mid - span / 2, hi: mid + span / 2 };
   }
 
   _drawLegend(scale) {
@@ -135,7 +149,8 @@ export class Heatmap {
     const gradient = `linear-gradient(90deg, ${stops.map((c) => `rgb(${c.join(",")})`).join(", ")})`;
     const lo = this.mode === "median" ? "0.85× median (faster)" : `≤ ${fmtNum(scale.lo)} ${this.unit}`;
     const hi = this.mode === "median" ? "≥ 1.3× median (slower)" : `≥ ${fmtNum(scale.hi)} ${this.unit}`;
-    const mid = this.mode === "median" ? "1.0× = like its peers" : "";
+    const band = Math.round(NEUTRAL_BAND * 100);
+    const mid = this.mode === "median" ? `within ±${band}% of the median: like its peers (noise), neutral` : "";
     const parts = [
       el("span", {}, lo),
       el("span", { class: "bar", style: `background: ${gradient}`, "aria-hidden": "true" }),
@@ -151,7 +166,7 @@ export class Heatmap {
     if (!g || !d) return;
     const rect = this.canvas.getBoundingClientRect();
     const x = e.clientX - rect.left - g.left;
-    const y = e.clientY - rect.top;
+    const y = e.clientY - rect.top - g.top;
     if (x < 0 || x > g.plotW || y < 0 || y > g.plotH) return;
     const c = Math.floor((x / g.plotW) * d.steps.length);
     const r = Math.floor(y / g.rowPx);

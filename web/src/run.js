@@ -17,6 +17,18 @@ const CURVES = [
   { metric: "lr", title: "Learning rate", stroke: "#5eead4" },
   { metric: "time.step_ms", title: "Step time, ms (mean over ranks, log scale)", stroke: "#fbbf24", log: true },
 ];
+// The agent's own metrics (docs/ingest.md); anything else a run reports is the user's (`watch.log(eval_loss=...)`),
+// charted after the built-in curves, the first MAX_USER_CURVES of them (the rest named).
+const BUILT_IN = /^(loss|grad_norm|grad_sumsq|optimizer\.skipped|lr(\.\d+)?|(time|mem|nonfinite)\..+)$/;
+const MAX_USER_CURVES = 12;
+const USER_COLOURS = ["#f472b6", "#a3e635", "#fb923c", "#38bdf8", "#e879f9", "#facc15"];
+
+function userCurves(metrics) {
+  return metrics.filter((m) => !BUILT_IN.test(m)).map((m, i) => ({
+    metric: m, title: `${m} (yours, from watch.log; mean over ranks)`, stroke: USER_COLOURS[i % USER_COLOURS.length],
+  }));
+}
+
 const PHASES = [
   { metric: "time.forward_ms", label: "forward time" },
   { metric: "time.data_ms", label: "data wait" },
@@ -104,7 +116,11 @@ export function renderRun(main, run) {
 
   // -- curves ---------------------------------------------------------------------------------------
   async function loadCurves(metrics) {
-    const present = CURVES.filter((c) => metrics.includes(c.metric));
+    const own = userCurves(metrics);
+    const present = [...CURVES.filter((c) => metrics.includes(c.metric)), ...own.slice(0, MAX_USER_CURVES)];
+    if (own.length > MAX_USER_CURVES) {
+      chartsBox.after(el("p", { class: "muted" }, `Also logged, not charted: ${own.slice(MAX_USER_CURVES).map((c) => c.metric).join(", ")}`));
+    }
     for (const c of present) {
       const box = el("div", { class: "chart", dataset: { metric: c.metric } });
       chartsBox.append(box);
@@ -187,9 +203,19 @@ export function renderRun(main, run) {
       if (!state.alive) return;
       getJson(path).then((detail) => { // metrics sampled less often (amax, memory) may have appeared
         state.metrics = detail.metrics;
-        return Promise.all([loadHeatmaps(detail.metrics), loadAmax()]);
+        return Promise.all([loadHeatmaps(detail.metrics), loadAmax(), loadPhases()]);
       }).catch(fail);
     }, wait);
+  }
+
+  // -- known pauses ------------------------------------------------------------------------------------
+  /** The pauses the user marked (`watch.phase`: eval, checkpoint), once per step whichever ranks said so. */
+  async function loadPhases() {
+    const d = await getJson(`${path}/events`, { kind: "phase_start", limit: 10000 });
+    const seen = new Map(d.events.map((e) => [`${e.step} ${e.data?.phase}`, { step: e.step, phase: String(e.data?.phase ?? "pause") }]));
+    const phases = [...seen.values()].sort((a, b) => a.step - b.step);
+    charts.dataset.phases = String(phases.length);
+    group.setPhases(phases);
   }
 
   // -- anomalies ---------------------------------------------------------------------------------------
@@ -282,7 +308,7 @@ export function renderRun(main, run) {
       state.anomaliesVersion = state.row?.anomalies_updated_at;
       error.hidden = true;
       renderHead();
-      await Promise.all([loadCurves(detail.metrics), loadAnomalies(), loadHeatmaps(detail.metrics), loadAmax()]);
+      await Promise.all([loadCurves(detail.metrics), loadAnomalies(), loadHeatmaps(detail.metrics), loadAmax(), loadPhases()]);
       state.lastSlow = Date.now();
       state.loaded = true;
       main.dataset.ready = "true";

@@ -5,6 +5,7 @@ import { subscribe } from "./live.js";
 import { badge, el, fmtAgo, fmtInt, fmtPace } from "./format.js";
 
 const COLUMNS = ["Run", "Health", "World size", "Last step", "Step rate or duration", "Open anomalies", "Last seen"];
+const NUMBER_COLUMNS = new Set(["World size", "Last step", "Step rate or duration", "Open anomalies"]); // right-aligned
 
 export function renderRuns(main) {
   document.title = "Runs · stepwatch";
@@ -16,7 +17,7 @@ export function renderRuns(main) {
     el("h1", {}, "Runs"),
     el("p", { class: "lede" }, "Every run the collector has heard from, most recently seen first. Updates live."),
     el("table", { class: "runs", "aria-label": "Runs" },
-      el("thead", {}, el("tr", {}, COLUMNS.map((c) => el("th", { scope: "col" }, c)))), tbody),
+      el("thead", {}, el("tr", {}, COLUMNS.map((c) => el("th", { scope: "col", class: NUMBER_COLUMNS.has(c) ? "num" : "" }, c)))), tbody),
     empty,
   );
 

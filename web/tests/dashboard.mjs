@@ -54,6 +54,11 @@ try {
   await row.locator("a").first().click();
   await page.locator('main[data-ready="true"]').waitFor({ timeout: 30_000 });
   report.runPage = { url: page.url(), openMs: Date.now() - opened };
+  report.phaseMarks = Number(await page.locator("section.charts").getAttribute("data-phases"));
+  report.heatmaps = await page.$$eval("canvas.heatmap", (els) => els.map((c) => ({
+    label: c.getAttribute("aria-label"), labelledRanks: Number(c.dataset.labelledRanks),
+    scaleLo: c.dataset.scaleLo ? Number(c.dataset.scaleLo) : null, scaleHi: c.dataset.scaleHi ? Number(c.dataset.scaleHi) : null,
+  })));
   await page.waitForTimeout(300); // let the last frames paint
   report.canvases = await page.evaluate(() => {
     const painted = (c) => {
