@@ -175,6 +175,15 @@ def test_every_rank_of_a_16_rank_heatmap_is_labelled_and_the_memory_scale_is_not
     assert memory["scaleHi"] - memory["scaleLo"] >= 0.05 * memory["scaleHi"] - 1e-9, memory
 
 
+def test_evidence_is_labelled_in_words_not_snake_case(report: dict[str, Any]) -> None:
+    labels = dict(report["evidenceLabels"])
+    assert labels, report["evidenceLabels"]
+    assert all("_" not in shown and shown[:1].isupper() for shown in labels.values()), labels
+    assert any(key.endswith("_ms") and shown.endswith("(ms)") for key, shown in labels.items()) or not any(
+        key.endswith("_ms") for key in labels
+    ), labels
+
+
 def test_the_charts_mark_each_evaluation_the_user_wrapped_in_a_phase(report: dict[str, Any]) -> None:
     assert report["phaseMarks"] == len(range(EVAL_EVERY, LIVE_FROM_STEP, EVAL_EVERY)), report["phaseMarks"]
 

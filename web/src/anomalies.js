@@ -17,9 +17,22 @@ export function anomalyItem(a, onGoto) {
   );
 }
 
+// Units at the end of an evidence key, in words; the rest of the key's snake_case becomes a phrase.
+const UNITS = [["_ms", "ms"], ["_mb", "MB"], ["_s", "s"], ["_pct", "%"], ["_per_step", "per step"]];
+const WORDS = { n: "number of", pct: "%", ts: "time", id: "id", ids: "ids", fp8: "FP8", amax: "amax", mad: "MAD", sd: "SD", sds: "SDs" };
+
+/** An evidence key as words: `ratio_to_peers` -> "Ratio to peers", `step_ms` -> "Step (ms)". */
+export function label(key) {
+  const unit = UNITS.find(([suffix]) => key.endsWith(suffix) && key.length > suffix.length);
+  const stem = unit ? key.slice(0, -unit[0].length) : key;
+  const words = stem.split("_").filter(Boolean).map((w) => WORDS[w] ?? w).join(" ");
+  const phrase = words.charAt(0).toUpperCase() + words.slice(1);
+  return unit ? `${phrase} (${unit[1]})` : phrase;
+}
+
 function evidence(ev) {
   if (!ev || !Object.keys(ev).length) return null;
-  const rows = Object.entries(ev).map(([k, v]) => el("tr", {}, el("th", { scope: "row" }, k),
+  const rows = Object.entries(ev).map(([k, v]) => el("tr", { dataset: { key: k } }, el("th", { scope: "row", title: k }, label(k)),
     el("td", {}, typeof v === "number" ? fmtNum(v, 4) : typeof v === "string" ? v : JSON.stringify(v).slice(0, 200))));
   return el("details", { class: "evidence" }, el("summary", {}, "Evidence"), el("table", {}, el("tbody", {}, rows)));
 }

@@ -83,6 +83,7 @@ try {
     }
     return out;
   });
+  report.evidenceLabels = await page.$$eval(".evidence th", (ths) => ths.map((th) => [th.title, th.textContent]));
   report.anomalies = await page.$$eval("li.anomaly", (items) => items.map((li) => ({
     kind: li.dataset.kind, rank: li.dataset.rank === "" ? null : Number(li.dataset.rank),
     firstStep: Number(li.dataset.firstStep), text: li.innerText.replace(/\s+/g, " "),
