@@ -26,7 +26,7 @@ export class ChartGroup {
       width,
       height,
       title,
-      scales: { x: { time: false }, y: { ...(log ? { distr: 3 } : {}), ...(yRange ? { range: yRange } : {}) } },
+      scales: { x: { time: false }, y: { ...(log ? { distr: 3 } : {}), ...(yRange ? { range: yRange } : log ? { range: logRange } : {}) } },
       series: [{ label: "step", value: (u, v) => (v === null ? "–" : Math.round(v).toLocaleString("en-US")) },
         ...series.map((s) => ({ width: 1.5, spanGaps: false, points: { show: false }, ...s,
           value: (u, v) => (v === null ? "–" : (yFormat ?? fmt)(v)) }))],
@@ -187,6 +187,13 @@ export class ChartGroup {
     }
     ctx.restore();
   }
+}
+
+/** A log axis that ends near the data (uPlot's default rounds out to whole decades: 10-100 ms data on an
+axis to 10,000). */
+function logRange(u, min, max) {
+  const lo = Math.max(min ?? 1, 1e-9);
+  return uPlot.rangeLog(lo, Math.max(max ?? lo, lo), 10, false);
 }
 
 export function fmt(v) {
