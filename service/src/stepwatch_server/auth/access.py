@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any
 
 import orjson
@@ -41,12 +41,21 @@ COOKIE = "stepwatch_token"
 MAX_LOGIN_BYTES = 4096  # a login body: {"token": ...}; read bounded, since anyone may send one
 
 
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
 @dataclass(frozen=True)
 class Policy:
     """The configured tokens, and whether reads are open to all (`--public-read`)."""
 
     grants: tuple[Grant, ...]
     public_read: bool = False
+    # Each grant's token as a SHA-256 digest, computed once here rather than on every request.
+    _digests: tuple[bytes, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_digests", tuple(_digest(g.token) for g in self.grants))
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Policy:
@@ -58,10 +67,10 @@ class Policy:
         digests so that not even a token's length shows in the time taken."""
         if not given:
             return None
-        digest = hashlib.sha256(given.encode()).digest()
+        digest = _digest(given)
         found = None
-        for grant in self.grants:
-            if hmac.compare_digest(digest, hashlib.sha256(grant.token.encode()).digest()):
+        for grant, known in zip(self.grants, self._digests, strict=True):
+            if hmac.compare_digest(digest, known):
                 found = grant
         return found
 
