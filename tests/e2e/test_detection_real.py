@@ -85,9 +85,13 @@ def rank_processes(
 
 
 def logs(tmp_path: Path) -> str:
-    return "\n".join(
-        f"--- {path.stem}:\n{path.read_text()[-1500:]}" for path in sorted(tmp_path.glob("rank-*.log"))
-    )
+    """Each rank's log tail; a rank that died in C shows its fault handler's stacks whole."""
+    parts = []
+    for path in sorted(tmp_path.glob("rank-*.log")):
+        text = path.read_text()
+        fatal = text.find("Fatal Python error")
+        parts.append(f"--- {path.stem}:\n{text[fatal : fatal + 6000] if fatal >= 0 else text[-1500:]}")
+    return "\n".join(parts)
 
 
 def wait_finished(procs: list[subprocess.Popen[bytes]], tmp_path: Path, wait_s: float = WAIT_S) -> None:

@@ -11,8 +11,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
+from stepwatch_server.runs import rank_rollups
 from stepwatch_server.web import pages
 from tests.detect.service_helpers import batch, session, wait_detected
 from tests.service.conftest import Collector, listen_events
@@ -102,12 +104,66 @@ def test_amax_latest_says_nan_when_the_last_sample_was_nan(collector: Collector)
     assert modules["fc"]["latest"] == "NaN" and modules["ok"]["latest"] == 1.0
 
 
+def _synchronous_run(
+    collector: Collector, name: str, ranks: int, steps: int, slow_rank: int, from_step: int
+) -> None:
+    """DDP's physics: every rank starts its step together; `slow_rank`'s loader takes 45 ms instead of 5
+    from `from_step`, and its peers wait for it in the buffer broadcast at the start of forward."""
+    s = np.arange(1, steps + 1)
+    data = {r: np.where((r == slow_rank) & (s >= from_step), 45.0, 5.0 + 0.1 * r) for r in range(ranks)}
+    arrive = np.max(list(data.values()), axis=0)
+    for rank in range(ranks):
+        forward = arrive - data[rank] + 10.0  # the wait, then its own 10 ms
+        metrics = {
+            "time.data_ms": data[rank],
+            "time.forward_ms": forward,
+            "time.backward_ms": np.full(steps, 20.0),
+        }
+        metrics["time.optimizer_ms"] = np.full(steps, 2.0)
+        metrics["time.step_ms"] = data[rank] + forward + 22.0
+        doc = batch(
+            name, session(), 0, rank, ranks, s.tolist(), **{k: v.tolist() for k, v in metrics.items()}
+        )
+        assert collector.post(doc).status_code == 200
+
+
+def test_the_late_view_lights_the_slow_loader_not_the_ranks_that_wait_for_it(
+    collector: Collector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _synchronous_run(collector, "late", ranks=4, steps=256, slow_rank=1, from_step=129)
+    forward = collector.get("/api/v1/runs/late/heatmap", metric="time.forward_ms", buckets=4)
+    assert forward["values"][0][3] > 4 * forward["values"][1][3]  # the old view blamed the victims
+    late = collector.get("/api/v1/runs/late/heatmap", metric="time.late_ms", buckets=4)
+    assert late["mode"] == "late" and late["ranks"] == [0, 1, 2, 3] and late["steps"] == [1, 65, 129, 193]
+    values = np.array(late["values"])
+    assert values[1, 2:] == pytest.approx(
+        1 + 39.8 / 77.0, abs=1e-3
+    )  # 45 - 5.2 ms (its peers median) late in a 77 ms step
+    assert np.abs(values[[0, 2, 3], 2:] - 1).max() < 0.01  # the victims: on time
+    assert np.abs(values[:, :2] - 1).max() < 0.01  # before: everyone
+    assert late["median"][3] == pytest.approx(77.0)
+    # Past the raw read budget the same cells come from the rank rollups (once the worker has them).
+    monkeypatch.setattr(rank_rollups, "RAW_READ_BUDGET", 0)
+    deadline = time.monotonic() + STREAM_WAIT_S
+    while True:
+        rolled = collector.get("/api/v1/runs/late/heatmap", metric="time.late_ms", buckets=5)
+        if rolled["steps"] == [0, 64, 128, 192, 256] or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert rolled["bucket_steps"] == 64 and rolled["steps"] == [0, 64, 128, 192, 256], rolled
+    by_rollups = np.array(rolled["values"])
+    assert by_rollups[1, 3] == pytest.approx(1 + 39.8 / 77.0, abs=1e-3)
+    assert np.abs(by_rollups[[0, 2, 3], :] - 1).max() < 0.01
+
+
 def test_heatmap_rejects_a_bad_mode_and_an_unknown_metric(collector: Collector) -> None:
     _run(collector, "dash2", ranks=2, steps=3)
     bad = collector.http.get("/api/v1/runs/dash2/heatmap", params={"metric": "loss", "mode": "mean"})
     assert bad.status_code == 422 and bad.json()["error"]["field"] == "mode"
     missing = collector.http.get("/api/v1/runs/dash2/heatmap", params={"metric": "nope"})
     assert missing.status_code == 404 and missing.json()["error"]["field"] == "metric"
+    underived = collector.http.get("/api/v1/runs/dash2/heatmap", params={"metric": "time.late_ms"})
+    assert underived.status_code == 404 and "time.data_ms" in underived.json()["error"]["message"]
 
 
 def test_stream_sends_new_steps_and_ends_when_the_server_stops(collector: Collector) -> None:

@@ -9,12 +9,18 @@ from the step it started. Absolute mode (memory) keeps each bucket's maximum ins
 peak is not averaged away. Everything is vectorised: one bincount over all (rank, bucket) cells.
 On a big run the cells come from the rank rollups (runs/rank_rollups.py) instead of the raw points: columns
 of whole rollup buckets, as wide as the level that gives at most the columns asked for.
+
+Relative phase times blame a straggler's victims where they wait inside a collective (a forward that holds
+DDP's buffer broadcast), so the default view is derived instead: `LATE`, how late each rank reached its
+step's sync points (stepwatch_server.timeline), from the bucket means of the four `TIMELINE` metrics on
+one grid.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,10 +28,13 @@ from sqlalchemy import Connection
 
 from stepwatch_server.runs import rank_rollups
 from stepwatch_server.runs.queries import RankSeries
+from stepwatch_server.timeline import holding_up
 
 DEFAULT_BUCKETS = 240
 MAX_BUCKETS = 2000
 MODES = ("median", "absolute")
+LATE = "time.late_ms"  # derived: who holds the run up (stepwatch_server.timeline), answered as mode "late"
+TIMELINE = ("time.data_ms", "time.backward_ms", "time.optimizer_ms", "time.step_ms")  # what LATE reads
 
 
 def bucket_edges(first: int, last: int, buckets: int) -> tuple[np.ndarray, int]:
@@ -35,12 +44,29 @@ def bucket_edges(first: int, last: int, buckets: int) -> tuple[np.ndarray, int]:
     return np.arange(first, last + 1, width, dtype=np.int64), width
 
 
-def heatmap(series: Sequence[RankSeries], buckets: int, mode: str) -> dict[str, Any]:
-    """`series`: one metric's points per rank. Returns ranks, bucket start steps and the matrix."""
-    if not series:
-        return _empty()
-    first = min(int(s.steps[0]) for s in series)
-    last = max(int(s.steps[-1]) for s in series)
+@dataclass(frozen=True, slots=True)
+class Cells:
+    """One metric's figures per (rank, column of steps): finite-value counts, sums and maxima, row-major
+    (ranks x columns), columns starting at `starts`, each `width` steps wide."""
+
+    ranks: np.ndarray
+    starts: np.ndarray
+    width: int
+    counts: np.ndarray
+    sums: np.ndarray
+    peak: np.ndarray
+
+    def means(self, ranks: np.ndarray) -> np.ndarray:
+        """(len(ranks), columns) of each cell's mean, NaN where a rank has no value (or is not here)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mine = (self.sums / self.counts).reshape(self.ranks.shape[0], self.starts.shape[0])
+        out = np.full((ranks.shape[0], self.starts.shape[0]), np.nan)
+        out[np.searchsorted(ranks, self.ranks)] = mine
+        return out
+
+
+def raw_cells(series: Sequence[RankSeries], first: int, last: int, buckets: int) -> Cells:
+    """`series` (one metric's points per rank) in `buckets` columns covering first..last."""
     starts, width = bucket_edges(first, last, buckets)
     ranks = np.array([s.rank for s in series], dtype=np.int64)
     row = np.concatenate([np.full(s.steps.shape[0], i, dtype=np.int64) for i, s in enumerate(series)])
@@ -53,19 +79,17 @@ def heatmap(series: Sequence[RankSeries], buckets: int, mode: str) -> dict[str, 
     sums = np.bincount(cells, weights=values[ok], minlength=size)
     peak = np.full(size, -np.inf)
     np.maximum.at(peak, cells, values[ok])
-    return _matrix(ranks, starts, width, counts, sums, peak, mode)
+    return Cells(ranks, starts, width, counts, sums, peak)
 
 
-def heatmap_from_rollups(
-    conn: Connection, sid: int, first_step: int, last_step: int, buckets: int, mode: str
-) -> dict[str, Any]:
-    """The same matrix from the rank rollups of series `sid` over first_step..last_step: columns are
+def rollup_cells(conn: Connection, sid: int, first_step: int, last_step: int, buckets: int) -> Cells | None:
+    """The same cells from the rank rollups of series `sid` over first_step..last_step: columns are
     whole buckets of the rollup level that fits at most `buckets` of them (runs/rank_rollups.py), so one
-    stored row per rank and column is read."""
+    stored row per rank and column is read. None when nothing is stored there."""
     cells, start, width = rank_rollups.read_columns(conn, sid, first_step, last_step, buckets)
     cells = cells.take(np.flatnonzero(cells.n > 0))
     if cells.n.size == 0:
-        return _empty()
+        return None
     starts = np.arange(start, last_step + 1, width, dtype=np.int64)
     ranks, row = np.unique(cells.rank, return_inverse=True)
     index = row * starts.shape[0] + cells.bucket
@@ -74,41 +98,68 @@ def heatmap_from_rollups(
     sums = np.zeros(size)
     peak = np.full(size, -np.inf)
     counts[index], sums[index], peak[index] = cells.n, cells.total, cells.hi
-    return _matrix(ranks, starts, width, counts, sums, peak, mode)
+    return Cells(ranks, starts, width, counts, sums, peak)
+
+
+def heatmap(series: Sequence[RankSeries], buckets: int, mode: str) -> dict[str, Any]:
+    """`series`: one metric's points per rank. Returns ranks, bucket start steps and the matrix."""
+    if not series:
+        return _empty()
+    first = min(int(s.steps[0]) for s in series)
+    last = max(int(s.steps[-1]) for s in series)
+    return _matrix(raw_cells(series, first, last, buckets), mode)
+
+
+def heatmap_from_rollups(
+    conn: Connection, sid: int, first_step: int, last_step: int, buckets: int, mode: str
+) -> dict[str, Any]:
+    """The same matrix from the rank rollups of series `sid` over first_step..last_step."""
+    cells = rollup_cells(conn, sid, first_step, last_step, buckets)
+    return _empty() if cells is None else _matrix(cells, mode)
+
+
+def late_heatmap(parts: Sequence[Cells | None]) -> dict[str, Any]:
+    """Who holds the run up (stepwatch_server.timeline), from the cells of `TIMELINE`'s metrics on one
+    grid: each cell 1 + the rank's lateness / the column's median step time; `median` the latter (ms)."""
+    present = [c for c in parts if c is not None and c.ranks.size]
+    if len(present) < len(parts) or not present:
+        return _empty()
+    grid = present[-1]  # the step time's
+    ranks = np.unique(np.concatenate([c.ranks for c in present]))
+    data, backward, optimizer, step = (c.means(ranks) for c in present)
+    ratio, median_step = holding_up(data, backward, optimizer, step)
+    return _answer(ranks, grid.starts, grid.width, ratio, median_step)
 
 
 def _empty() -> dict[str, Any]:
     return {"ranks": [], "steps": [], "bucket_steps": 1, "values": [], "median": []}
 
 
-def _matrix(
-    ranks: np.ndarray,
-    starts: np.ndarray,
-    width: int,
-    counts: np.ndarray,
-    sums: np.ndarray,
-    peak: np.ndarray,
-    mode: str,
-) -> dict[str, Any]:
-    """Cells (row-major, ranks x buckets) of finite-value counts, sums and maxima -> the answer."""
+def _matrix(c: Cells, mode: str) -> dict[str, Any]:
+    """Cells -> the answer: each cell's mean (absolute: its maximum), relative to the column's median."""
     if mode == "absolute":
-        matrix = np.where(counts > 0, peak, np.nan)
+        matrix = np.where(c.counts > 0, c.peak, np.nan)
     else:
         with np.errstate(invalid="ignore", divide="ignore"):
-            matrix = sums / counts
-    matrix = matrix.reshape(ranks.shape[0], starts.shape[0])
+            matrix = c.sums / c.counts
+    matrix = matrix.reshape(c.ranks.shape[0], c.starts.shape[0])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # an empty bucket's median is NaN, as meant
         median = np.nanmedian(matrix, axis=0)
     if mode == "median":
         with np.errstate(invalid="ignore", divide="ignore"):
             matrix = matrix / median
-    rounded = np.round(matrix, 4)
+    return _answer(c.ranks, c.starts, c.width, matrix, median)
+
+
+def _answer(
+    ranks: np.ndarray, starts: np.ndarray, width: int, matrix: np.ndarray, median: np.ndarray
+) -> dict[str, Any]:
     return {
         "ranks": ranks,
         "steps": starts,
         "bucket_steps": width,
-        "values": [_nulls(r) for r in rounded],
+        "values": [_nulls(r) for r in np.round(matrix, 4)],
         "median": _nulls(np.round(median, 4)),
     }
 

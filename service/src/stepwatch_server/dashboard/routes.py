@@ -6,19 +6,25 @@ queries. Mounted before the read API's router, whose `/runs/{run:path}` would ta
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
+from sqlalchemy import Connection
 from starlette.responses import Response
 
 from stepwatch_server.auth import ReadAccess
 from stepwatch_server.dashboard import answers
 from stepwatch_server.dashboard.heatmap import (
     DEFAULT_BUCKETS,
+    LATE,
     MAX_BUCKETS,
     MODES,
+    TIMELINE,
     heatmap,
     heatmap_from_rollups,
+    late_heatmap,
+    raw_cells,
+    rollup_cells,
 )
 from stepwatch_server.dashboard.summary import runs_overview
 from stepwatch_server.detect.detectors.fp8_overflow import E4M3_MAX, E5M2_MAX
@@ -49,7 +55,8 @@ def dashboard_runs(conn: Conn, reader: ReadAccess) -> Response:
 def get_heatmap(
     run: str,
     conn: Conn,
-    metric: Annotated[str, Query(min_length=1, max_length=200, description="e.g. time.forward_ms")],
+    metric: Annotated[str, Query(min_length=1, max_length=200, description="e.g. time.forward_ms; "
+                                  f"{LATE}: how late each rank reached its step's sync points (derived)")],
     mode: Annotated[str, Query(description="median: each cell / the bucket's cross-rank median; "
                                "absolute: each cell's maximum", json_schema_extra={"enum": list(MODES)})] = "median",
     buckets: Annotated[int, Query(ge=1, le=MAX_BUCKETS, description="step buckets (columns)")] = DEFAULT_BUCKETS,
@@ -61,6 +68,10 @@ def get_heatmap(
             f"mode: expected one of {', '.join(MODES)}, got {mode!r}", field="mode", code="invalid_parameter"
         )
     found = queries.find_run(conn, run)
+    if metric == LATE:
+        return json_response(
+            {"metric": metric, "mode": "late", **_late(conn, found, buckets, from_step, to_step)}
+        )
     ids = queries.series_ids(conn, found.id, METRIC_STAT, metric)
     if not ids:
         raise NotFound(
@@ -72,6 +83,31 @@ def get_heatmap(
         return json_response({"metric": metric, "mode": mode, **cells})
     series = queries.read_points(conn, list(ids), None, from_step, to_step)
     return json_response({"metric": metric, "mode": mode, **heatmap(series, buckets, mode)})
+
+
+def _late(
+    conn: Connection, found: Any, buckets: int, from_step: int | None, to_step: int | None
+) -> dict[str, Any]:
+    """The `LATE` view: the four `TIMELINE` metrics' cells on one grid (from the rank rollups past the
+    raw read budget), combined per cell."""
+    sids = [next(iter(queries.series_ids(conn, found.id, METRIC_STAT, name)), None) for name in TIMELINE]
+    if None in sids:
+        missing = [name for name, sid in zip(TIMELINE, sids, strict=True) if sid is None]
+        raise NotFound(
+            f"{LATE} is derived from {', '.join(TIMELINE)}; run {found.name!r} has no {', '.join(missing)} "
+            "(the agent sends them with every step)",
+            field="metric",
+        )
+    ids = [sid for sid in sids if sid is not None]
+    found_steps = step_rollups.step_range(conn, ids, from_step, to_step)
+    if found_steps is None:
+        return late_heatmap([])
+    first, last, values = found_steps
+    if values > rank_rollups.RAW_READ_BUDGET:
+        return late_heatmap([rollup_cells(conn, sid, first, last, buckets) for sid in ids])
+    points = queries.read_points(conn, ids, None, first, last)
+    parts = [[s for s in points if s.series_id == sid] for sid in ids]
+    return late_heatmap([raw_cells(part, first, last, buckets) if part else None for part in parts])
 
 
 @router.get(

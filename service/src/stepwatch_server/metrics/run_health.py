@@ -41,6 +41,7 @@ from sqlalchemy import Connection, Engine, and_, func, select
 
 from stepwatch_server.detect.anomalies import KINDS, SEVERITIES
 from stepwatch_server.storage.models import METRIC_STAT, Anomaly, Event, Point, Rank, Run, Series, StepRecord
+from stepwatch_server.timeline import holding_up
 
 MAX_RUNS = 10
 ACTIVE_RUN_S = 3600.0
@@ -303,8 +304,9 @@ class _Families:
         )
         self.rank_ratio = GaugeMetricFamily(
             "stepwatch_rank_slowness_ratio",
-            f"The {TOP_RANKS} slowest ranks: data + forward time over the median rank's, last "
-            f"{WINDOW_STEPS} steps.",
+            f"The {TOP_RANKS} ranks that hold the run up most: 1 + how late the rank reaches its step's "
+            "sync points (end of data wait, of forward, start of optimizer) after its peers' median / the "
+            f"median step time, over the last {WINDOW_STEPS} steps (1.0: on time).",
             labels=["run", "rank", "node"],
         )
         self.rank_phase = GaugeMetricFamily(
@@ -380,10 +382,12 @@ def _add_ranks_and_nodes(f: _Families, run: _Run) -> None:
         p: np.array([run.windowed[f"time.{p}_ms"].get(r, np.nan) for r in ranks]) / 1000.0 for p in PHASES
     }
     memory_b = {m: np.array([run.windowed[k].get(r, np.nan) for r in ranks]) * _MB for m, k in MEMORY.items()}
-    compute = np.nan_to_num(phase_s["data"]) + np.nan_to_num(phase_s["forward"])
-    known = ~(np.isnan(phase_s["data"]) & np.isnan(phase_s["forward"]))
-    median = float(np.median(compute[known])) if known.any() else float("nan")
-    ratio = compute / median if median > 0 else np.full(len(ranks), np.nan)
+    step_s = np.array([run.windowed["time.step_ms"].get(r, np.nan) for r in ranks]) / 1000.0
+    # Who holds the run up over the window (stepwatch_server.timeline), not data + forward: a victim of a
+    # slow loader waits for it inside DDP's forward, and its forward is the longer one.
+    timeline = (phase_s["data"], phase_s["backward"], phase_s["optimizer"], step_s)
+    ratio = holding_up(*(t[:, None] for t in timeline))[0][:, 0]
+    known = np.isfinite(ratio)
     node_of = [run.ranks[r][0] for r in ranks]
     name = run.name
     slowest = [i for i in np.argsort(-np.nan_to_num(ratio, nan=-np.inf), kind="stable") if known[i]]
@@ -399,8 +403,8 @@ def _add_ranks_and_nodes(f: _Families, run: _Run) -> None:
     members: dict[str, list[int]] = defaultdict(list)
     for i, node in enumerate(node_of):
         members[node].append(i)
-    node_compute = {node: float(np.mean(compute[idx])) for node, idx in members.items() if known[idx].any()}
-    for node in sorted(node_compute, key=lambda n: -node_compute[n])[:MAX_NODES]:
+    node_ratio = {node: _nanmean(ratio[idx]) for node, idx in members.items() if known[idx].any()}
+    for node in sorted(node_ratio, key=lambda n: -node_ratio[n])[:MAX_NODES]:
         idx = members[node]
         for p in PHASES:
             f.node_phase.add_metric([name, node, p], _nanmean(phase_s[p][idx]))

@@ -76,6 +76,7 @@ import numpy as np
 from stepwatch_server.detect.base import DetectorSettings
 from stepwatch_server.detect.context import RunContext
 from stepwatch_server.detect.frames import StepFrame
+from stepwatch_server.timeline import peer_median
 
 PHASES = ("data", "forward")  # judged phases; backward and step time hold the peers' wait
 PHASE_METRICS = ("time.data_ms", "time.forward_ms")
@@ -130,28 +131,6 @@ class PauseGate:
             self.until_step = max(self.until_step, frame.step + self.after_steps)
             return True
         return frame.step <= self.until_step
-
-
-def peer_median(x: np.ndarray) -> np.ndarray:
-    """For each rank, the median of the OTHER ranks' finite values (NaN where x is NaN or < 2 peers)."""
-    out = np.full(x.shape, np.nan)
-    valid = np.flatnonzero(np.isfinite(x))
-    n = valid.size
-    if n < 2:
-        return out
-    v = x[valid]
-    order = np.argsort(v, kind="stable")
-    s = v[order]
-    pos = np.empty(n, dtype=np.int64)
-    pos[order] = np.arange(n)
-    m = n - 1  # peers of each rank
-
-    def rest(i: int) -> np.ndarray:  # the i-th smallest value once the rank itself is left out
-        return np.where(i < pos, s[i], s[min(i + 1, n - 1)])
-
-    k = m // 2
-    out[valid] = rest(k) if m % 2 else 0.5 * (rest(k - 1) + rest(k))
-    return out
 
 
 class RankSlowness:
