@@ -16,8 +16,13 @@
   loader); the others wait for it in the gradient all-reduce;
 - `eval`: an evaluation nobody marked with `watch.phase`: at step S every rank (whatever F) runs forwards of
   the DDP model under `torch.no_grad()` for `--pause-s` seconds, all-reduces its eval loss, and trains on;
+- `none`: no fault (a healthy run);
 - `checkpoint`: a checkpoint nobody marked: at step S rank F spends `--pause-s` seconds inside `torch.save`
   (to a file object whose first `write` waits that long), while the others wait for it in `dist.barrier()`.
+
+With `--buffers` the model holds a registered buffer, as a GPT with its causal mask does: DDP broadcasts
+it at the start of every forward, so the ranks ahead wait for a slow one there (inside forward), not in
+backward's all-reduce.
 
 Every process is bounded: it exits by itself at `--deadline-s` seconds after start (the collective timeout
 is shorter than that), and the test kills what is left.
@@ -131,9 +136,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fault-data-ms", type=float, default=DATA_MS, help="slow_data: the faulty rank's")
     p.add_argument("--spool-dir", required=True)
     p.add_argument("--pause-s", type=float, default=0.0, help="length of an unmarked eval or checkpoint")
+    p.add_argument(
+        "--buffers",
+        action="store_true",
+        help="a registered buffer (a GPT's causal mask): DDP broadcasts it in forward",
+    )
     a = p.parse_args(argv)
     deadline = init_gloo(a.rank, a.world_size, a.master_port, a.deadline_s)
     model = build_model()
+    if a.buffers:  # DDP then starts every forward with a broadcast: the ranks ahead wait for the last there
+        model.register_buffer("mask", torch.ones(WIDTH))
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
     watch = stepwatch.attach(

@@ -48,13 +48,15 @@ def ranks(
     fault_data_ms: float = 5.0,
     deadline_s: float = RANK_DEADLINE_S,
     pause_s: float = 0.0,
+    buffers: bool = False,
 ) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Start the rank processes; at exit kill those still running (by their own pids)."""
+    """Start the rank processes (`buffers`: the model holds one, so DDP broadcasts it in forward); at exit
+    kill those still running (by their own pids)."""
     args = ["--url", collector.url, "--run", run, "--fault", fault, "--fault-rank", str(fault_rank)]
     args += ["--fault-step", str(fault_step), "--steps", str(steps), "--data-ms", str(data_ms)]
     args += ["--fault-data-ms", str(fault_data_ms)]
     args += ["--deadline-s", str(deadline_s), "--spool-dir", str(tmp_path / "spool")]
-    args += ["--pause-s", str(pause_s)]
+    args += ["--pause-s", str(pause_s)] + (["--buffers"] if buffers else [])
     with rank_processes("tests.e2e.fault_ranks", world_size, args, tmp_path) as procs:
         yield procs
 

@@ -6,25 +6,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-from pathlib import Path
 from typing import Any
 
 from stepwatch_server.web.pages import DOCS
-from tests.conftest import REPO, require
 from tests.service.conftest import Collector
+from tests.web.browser import CHROMIUM, WEB, require_browser
 
-WEB = REPO / "web"
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 BROWSER_TIMEOUT_S = 120.0
 
 
 def test_the_api_docs_render_offline_from_the_package(collector: Collector) -> None:
-    require(shutil.which("node") is not None, "node is not installed (Node.js 20: apt-get install nodejs)")
-    require(Path(CHROMIUM).exists(), "chromium is not installed (apt-get install -y chromium)")
-    require((WEB / "node_modules" / "playwright-core").is_dir(), "web/node_modules missing: cd web && npm ci")
-    require(DOCS.is_file(), "the dashboard is not built: cd web && npm ci && npm run build")
+    require_browser(DOCS)
     env = {**os.environ, "STEPWATCH_URL": collector.server.url, "CHROMIUM": CHROMIUM}
     done = subprocess.run(
         ["node", str(WEB / "tests" / "docs.mjs")],

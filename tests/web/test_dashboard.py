@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from collections.abc import Iterator
 from itertools import islice
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,13 +20,10 @@ import pytest
 from stepwatch_server.demo import Client, Feeder
 from stepwatch_server.simulate import LossSpike, Scenario, Simulation, Straggler
 from stepwatch_server.web.pages import INDEX
-from tests.conftest import REPO, require
 from tests.e2e.conftest import Collector, free_port
+from tests.web.browser import CHROMIUM, SCREENSHOTS, WEB, require_browser
 
-WEB = REPO / "web"
 SCRIPT = WEB / "tests" / "dashboard.mjs"
-SCREENSHOTS = REPO / "artifacts" / "screenshots"
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 RUN = "dashboard-demo"
 HEALTHY_RUN = "healthy-baseline"  # a second, clean run: the runs page tells the two apart
 STRAGGLER_RANK = 11
@@ -78,10 +73,7 @@ def _before_live(doc: dict[str, Any]) -> bool:
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    require(shutil.which("node") is not None, "node is not installed (Node.js 20: apt-get install nodejs)")
-    require(Path(CHROMIUM).exists(), "chromium is not installed (apt-get install -y chromium)")
-    require((WEB / "node_modules" / "playwright-core").is_dir(), "web/node_modules missing: cd web && npm ci")
-    require(INDEX.is_file(), "the dashboard is not built: cd web && npm ci && npm run build")
+    require_browser(INDEX)
     tmp = tmp_path_factory.mktemp("dashboard")
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     collector = Collector(f"sqlite:///{tmp / 'stepwatch.db'}", free_port(), tmp / "collector.log").start()
@@ -169,10 +161,16 @@ def test_every_rank_of_a_16_rank_heatmap_is_labelled_and_the_memory_scale_is_not
     """Only every 6th rank was labelled (a straggler's row sat next to another rank's label), and the
     memory scale spanned 367-370 MB, so normal drift looked like a leak."""
     by_label = {h["label"]: h for h in report["heatmaps"]}
-    relative = next(h for label, h in by_label.items() if "median" in label)
+    relative = next(h for label, h in by_label.items() if "peers" in label)
     assert relative["labelledRanks"] == 16, report["heatmaps"]
     memory = next(h for label, h in by_label.items() if "Memory" in label)
     assert memory["scaleHi"] - memory["scaleLo"] >= 0.05 * memory["scaleHi"] - 1e-9, memory
+
+
+def test_the_default_heatmap_names_the_straggler_in_words(report: dict[str, Any]) -> None:
+    heat = report["heatmaps"][0]
+    assert heat["view"] == "time.late_ms" and heat["rank"] == str(STRAGGLER_RANK), heat
+    assert f"Holding the run up most: rank {STRAGGLER_RANK}" in heat["summary"], heat
 
 
 def test_evidence_is_labelled_in_words_not_snake_case(report: dict[str, Any]) -> None:

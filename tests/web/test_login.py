@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import uuid
 from collections.abc import Callable
@@ -18,11 +17,9 @@ import pytest
 
 from stepwatch_server.auth import load_tokens
 from stepwatch_server.web.pages import INDEX
-from tests.conftest import REPO, require
 from tests.service.conftest import Collector, steps_batch
+from tests.web.browser import CHROMIUM, WEB, require_browser
 
-WEB = REPO / "web"
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 BROWSER_TIMEOUT_S = 120.0
 ENV = {"FEEDER": "feeder-writes-every-run-0123", "VIEWER": "team-a-viewer-reads-0123"}
 TOKENS = """\
@@ -34,10 +31,7 @@ tokens:
 
 @pytest.fixture
 def report(start_collector: Callable[..., Collector], tmp_path: Path) -> dict[str, Any]:
-    require(shutil.which("node") is not None, "node is not installed (Node.js 20: apt-get install nodejs)")
-    require(Path(CHROMIUM).exists(), "chromium is not installed (apt-get install -y chromium)")
-    require((WEB / "node_modules" / "playwright-core").is_dir(), "web/node_modules missing: cd web && npm ci")
-    require(INDEX.is_file(), "the dashboard is not built: cd web && npm ci && npm run build")
+    require_browser(INDEX)
     (tmp_path / "tokens.yaml").write_text(TOKENS)
     collector = start_collector(tokens=load_tokens(tmp_path / "tokens.yaml", env=ENV))
     for run in ("team-a/llm", "team-b/vit"):

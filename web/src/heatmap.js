@@ -1,13 +1,19 @@
 // A ranks x steps heatmap on a canvas: one row per rank, one column per bucket of steps, from
-// /api/v1/runs/<run>/heatmap. Relative mode (each cell / the bucket's cross-rank median) uses a
+// /api/v1/runs/<run>/heatmap. Relative mode (each cell / the bucket's cross-rank median) and late mode
+// (1 + how late the rank reaches its step's sync points / the median step: who holds the run up) use a
 // diverging scale centred on 1.0, so a straggler is a warm horizontal line; absolute mode (memory) a
-// sequential one. The left margin equals the charts' y axis, so columns line up with their steps.
+// sequential one. A line under it names, in words, the rank that stands out most over the cells shown.
+// The left margin equals the charts' y axis, so columns line up with their steps.
 import { Y_AXIS_PX } from "./charts.js";
 import { el, fmtNum } from "./format.js";
 
 const DIVERGING = [[49, 99, 196], [38, 42, 54], [242, 169, 59], [255, 72, 72]]; // <1, 1, >1, >>1
 const SEQUENTIAL = [[30, 34, 48], [46, 110, 160], [110, 190, 140], [250, 220, 90]];
 const NEUTRAL_BAND = 0.03; // within ±3% of the median of all ranks: like its peers (noise), drawn neutral
+// Late mode from raw points: a cell also stays neutral within this many standard errors of its rank's
+// per-step lateness there (the answer's `noise`): one step's hiccup is noise, a rank late step after step
+// is not (~99% two-sided for a normal mean).
+const NOISE_Z = 2.5;
 const MIN_SPAN = 0.05; // an absolute scale spans at least 5% of its top: 367-370 MB is drift, not a leak
 const TOP_PX = 8; // room above the first row, so its label is not cut
 const LABEL_PX = 13; // the height one rank label needs
@@ -28,7 +34,8 @@ export class Heatmap {
     this.canvas = el("canvas", { class: "heatmap", role: "img", "aria-label": label });
     this.tip = el("div", { class: "heat-tip", role: "status", "aria-live": "polite" }, "Hover a cell for its rank, steps and value.");
     this.legend = el("div", { class: "heat-legend" });
-    parent.append(this.canvas, this.legend, this.tip);
+    this.summary = el("p", { class: "heat-summary", role: "status" });
+    parent.append(this.canvas, this.summary, this.legend, this.tip);
     this.canvas.addEventListener("mousemove", (e) => this._hover(e));
     this.canvas.addEventListener("mouseleave", () => (this.tip.textContent = "Hover a cell for its rank, steps and value."));
   }
@@ -41,16 +48,30 @@ export class Heatmap {
     this.draw();
   }
 
+  setMode(mode) {
+    this.mode = mode;
+  }
+
+  get relative() {
+    return this.mode === "median" || this.mode === "late";
+  }
+
   setHighlight(rank) {
     this.highlight = rank;
     this.draw();
   }
 
-  _colour(v, scale) {
+  // The half-width of cell (r, c)'s neutral band.
+  _band(r, c) {
+    const noise = this.data?.noise?.[r]?.[c];
+    return noise == null ? NEUTRAL_BAND : Math.max(NEUTRAL_BAND, NOISE_Z * noise);
+  }
+
+  _colour(v, scale, band = NEUTRAL_BAND) {
     if (v === null) return null;
-    if (this.mode === "median") {
+    if (this.relative) {
       // within the band -> neutral; 0.85 -> blue; 1.1 -> amber; >= 1.3 -> red
-      if (Math.abs(v - 1) <= NEUTRAL_BAND) return DIVERGING[1];
+      if (Math.abs(v - 1) <= band) return DIVERGING[1];
       if (v < 1) return lerp(DIVERGING, Math.max(0, (v - 0.85) / (0.15 - NEUTRAL_BAND)) / 3);
       return lerp(DIVERGING, 1 / 3 + Math.min(1, (v - 1 - NEUTRAL_BAND) / (0.3 - NEUTRAL_BAND)) * (2 / 3));
     }
@@ -78,6 +99,7 @@ export class Heatmap {
       ctx.fillStyle = "#aab2bf";
       ctx.font = "13px system-ui, sans-serif";
       ctx.fillText("no data", Y_AXIS_PX + 8, 24);
+      this._summarise(null);
       return;
     }
     const left = Y_AXIS_PX;
@@ -90,11 +112,16 @@ export class Heatmap {
     ctx.translate(0, top);
     const cellW = plotW / cols;
     const cellH = plotH / rows;
+    let cells = 0;
+    let outside = 0;
     for (let r = 0; r < rows; r++) {
       const values = d.values[r];
       for (let c = 0; c < cols; c++) {
-        const rgb = this._colour(values[c], scale);
+        const band = this._band(r, c);
+        const rgb = this._colour(values[c], scale, band);
         if (!rgb) continue;
+        cells++;
+        if (this.relative && Math.abs(values[c] - 1) > band) outside++;
         ctx.fillStyle = `rgb(${rgb[0]},${rgb[1]},${rgb[2]})`;
         ctx.fillRect(left + c * cellW, r * cellH, Math.ceil(cellW), Math.ceil(cellH));
       }
@@ -106,6 +133,7 @@ export class Heatmap {
     let labelled = 0;
     for (let r = 0; r < rows; r += every, labelled++) ctx.fillText(`rank ${d.ranks[r]}`, left - 6, r * cellH + cellH / 2 + 4);
     this.canvas.dataset.labelledRanks = String(labelled);
+    this.canvas.dataset.outside = String(cells ? outside / cells : 0); // cells outside the neutral band
     ctx.textAlign = "center";
     const ticks = Math.max(2, Math.floor(plotW / 110));
     for (let i = 0; i <= ticks; i++) {
@@ -128,10 +156,39 @@ export class Heatmap {
       }
     }
     this._drawLegend(scale);
+    this._summarise(d);
+  }
+
+  // The rank that stands out most over the cells shown, in words (data-rank for tests): of the ranks
+  // above their neutral band in at least two columns (a line, not a one-off dot), the one with the most
+  // excess over all of them.
+  _summarise(d) {
+    const s = this.summary;
+    s.dataset.rank = "";
+    if (!this.relative || !d || !d.ranks.length) {
+      s.textContent = "";
+      return;
+    }
+    let best = null;
+    d.values.forEach((row, r) => {
+      const above = row.map((v, c) => (v !== null && v - 1 > this._band(r, c) ? v - 1 : null)).filter((x) => x !== null);
+      if (above.length < 2) return;
+      const excess = above.reduce((a, b) => a + b, 0);
+      if (best === null || excess > best.excess) best = { rank: d.ranks[r], excess, columns: above.length, of: row.filter((v) => v !== null).length };
+    });
+    if (best === null) {
+      s.textContent = this.mode === "late" ? "No rank holds the others up beyond noise over these steps." : "No rank stands out beyond noise over these steps.";
+      return;
+    }
+    s.dataset.rank = String(best.rank);
+    const mean = best.excess / best.columns;
+    s.textContent = this.mode === "late"
+      ? `Holding the run up most: rank ${best.rank} — late in ${best.columns} of ${best.of} columns, the others waiting ${fmtNum(mean * 100)}% of a step for it there.`
+      : `Slowest here: rank ${best.rank} — above its peers in ${best.columns} of ${best.of} columns, by ${fmtNum(mean * 100)}% there.`;
   }
 
   _scale(d) {
-    if (this.mode === "median") return { lo: 0.85, hi: 1.3 };
+    if (this.relative) return { lo: 0.85, hi: 1.3 };
     // The 2nd to 98th percentile: a warm-up ramp or one outlier does not flatten everything else.
     const all = d.values.flat().filter((v) => v !== null).sort((a, b) => a - b);
     if (!all.length) return { lo: 0, hi: 1 };
@@ -145,12 +202,14 @@ export class Heatmap {
   }
 
   _drawLegend(scale) {
-    const stops = this.mode === "median" ? DIVERGING : SEQUENTIAL;
+    const stops = this.relative ? DIVERGING : SEQUENTIAL;
     const gradient = `linear-gradient(90deg, ${stops.map((c) => `rgb(${c.join(",")})`).join(", ")})`;
-    const lo = this.mode === "median" ? "0.85× median (faster)" : `≤ ${fmtNum(scale.lo)} ${this.unit}`;
-    const hi = this.mode === "median" ? "≥ 1.3× median (slower)" : `≥ ${fmtNum(scale.hi)} ${this.unit}`;
     const band = Math.round(NEUTRAL_BAND * 100);
-    const mid = this.mode === "median" ? `within ±${band}% of the median: like its peers (noise), neutral` : "";
+    const words = {
+      median: ["0.85× median (faster)", "≥ 1.3× median (slower)", `within ±${band}% of the median: like its peers (noise), neutral`],
+      late: ["ahead of its peers", "the run waits ≥ 30% of a step for it", `within ±${band}% of a step or its own step-to-step noise: on time, neutral`],
+    }[this.mode] ?? [`≤ ${fmtNum(scale.lo)} ${this.unit}`, `≥ ${fmtNum(scale.hi)} ${this.unit}`, ""];
+    const [lo, hi, mid] = words;
     const parts = [
       el("span", {}, lo),
       el("span", { class: "bar", style: `background: ${gradient}`, "aria-hidden": "true" }),
@@ -172,7 +231,9 @@ export class Heatmap {
     const r = Math.floor(y / g.rowPx);
     const v = d.values[r]?.[c];
     const from = d.steps[c];
-    const what = this.mode === "median" ? `${fmtNum(v)}× the median of all ranks` : `${fmtNum(v)} ${this.unit}`;
-    this.tip.textContent = `rank ${d.ranks[r]}, steps ${from.toLocaleString("en-US")}–${(from + d.bucket_steps - 1).toLocaleString("en-US")}: ${v === null || v === undefined ? "no data" : what}`;
+    const late = v === null || v === undefined ? "" : v >= 1 ? `the run waits ${fmtNum((v - 1) * 100)}% of a step for it` : `ahead of its peers by ${fmtNum((1 - v) * 100)}% of a step`;
+    const neutral = this.relative && v != null ? ` (neutral within ±${fmtNum(this._band(r, c) * 100)}%)` : "";
+    const what = { median: `${fmtNum(v)}× the median of all ranks`, late }[this.mode] ?? `${fmtNum(v)} ${this.unit}`;
+    this.tip.textContent = `rank ${d.ranks[r]}, steps ${from.toLocaleString("en-US")}–${(from + d.bucket_steps - 1).toLocaleString("en-US")}: ${v === null || v === undefined ? "no data" : what}${neutral}`;
   }
 }

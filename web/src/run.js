@@ -29,9 +29,13 @@ function userCurves(metrics) {
   }));
 }
 
+// The heatmap's views. The first, derived by the collector from the step's timeline (README, "Who holds
+// the run up"), lights the rank the others wait for; phase times light the ranks that wait.
 const PHASES = [
-  { metric: "time.forward_ms", label: "forward time" },
-  { metric: "time.data_ms", label: "data wait" },
+  { metric: "time.late_ms", label: "who holds the run up", needs: ["time.data_ms", "time.step_ms"],
+    note: "how late each rank reaches its step's sync points, as a share of the step: the slow rank is a line, the ranks waiting for it are not" },
+  { metric: "time.forward_ms", label: "forward time", note: "relative to the median of all ranks at the same steps (a rank waiting for a slow peer in forward looks slow here)" },
+  { metric: "time.data_ms", label: "data wait", note: "relative to the median of all ranks at the same steps" },
 ];
 const MEMORY = [ // the first one the run reports: device memory, else (CPU training) the host's
   { metric: "mem.allocated_mb", label: "allocated device memory, MB" },
@@ -62,10 +66,10 @@ export function renderRun(main, run) {
     PHASES.map((p) => el("option", { value: p.metric }, p.label)));
   const heatBox = el("div", { class: "heat-box" });
   const highlightNote = el("span", { class: "muted" });
+  const phaseNote = el("span", { class: "muted" }, PHASES[0].note);
   const heatPanel = el("section", { class: "panel", "aria-labelledby": "heat-h" },
     el("div", { class: "panel-head" }, el("h2", { id: "heat-h" }, "Ranks × steps: "), phaseSelect,
-      el("span", { class: "muted" }, "relative to the median of all ranks at the same steps: a straggler is a line"),
-      highlightNote),
+      phaseNote, highlightNote),
     heatBox);
   const memBox = el("div", { class: "heat-box" });
   const memNote = el("span", { class: "muted" }, "each cell the peak of its steps");
@@ -90,7 +94,7 @@ export function renderRun(main, run) {
     el("div", { class: "run-grid" }, el("div", { class: "run-main" }, charts, heatPanel, memPanel, amaxPanel), aside),
   );
 
-  const heat = new Heatmap(heatBox, { label: "Ranks by steps heatmap, relative to the cross-rank median", mode: "median" });
+  const heat = new Heatmap(heatBox, { label: "Ranks by steps heatmap, relative to the rank's peers", mode: "late" });
   const mem = new Heatmap(memBox, { label: "Memory per rank heatmap", mode: "absolute", unit: "MB" });
   const amax = new AmaxPanel(amaxBox, amaxTable, group);
 
@@ -178,7 +182,10 @@ export function renderRun(main, run) {
 
   async function loadHeatmaps(metrics) {
     const jobs = [];
-    if (metrics.includes(state.phase)) {
+    const view = PHASES.find((p) => p.metric === state.phase);
+    phaseNote.textContent = view.note;
+    heat.setMode(view.metric === "time.late_ms" ? "late" : "median");
+    if ((view.needs ?? [view.metric]).every((m) => metrics.includes(m))) {
       jobs.push(forRange(getJson(`${path}/heatmap`, { metric: state.phase, mode: "median", buckets: HEATMAP_BUCKETS, ...rangeParams() }), (d) => heat.setData(d)));
     } else heat.setData(null);
     const memory = MEMORY.find((m) => metrics.includes(m.metric));

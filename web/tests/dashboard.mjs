@@ -58,6 +58,9 @@ try {
   report.heatmaps = await page.$$eval("canvas.heatmap", (els) => els.map((c) => ({
     label: c.getAttribute("aria-label"), labelledRanks: Number(c.dataset.labelledRanks),
     scaleLo: c.dataset.scaleLo ? Number(c.dataset.scaleLo) : null, scaleHi: c.dataset.scaleHi ? Number(c.dataset.scaleHi) : null,
+    rank: c.parentElement.querySelector(".heat-summary")?.dataset.rank ?? null,
+    summary: c.parentElement.querySelector(".heat-summary")?.textContent ?? "",
+    view: c.closest("section")?.querySelector("select")?.value ?? null,
   })));
   await page.waitForTimeout(300); // let the last frames paint
   report.canvases = await page.evaluate(() => {

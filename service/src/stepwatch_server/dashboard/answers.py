@@ -34,6 +34,8 @@ class HeatmapAnswer(BaseModel):
     bucket_steps: int
     values: list[list[float | None]]  # ranks x buckets; null where a rank has no value in a bucket
     median: list[float | None]
+    # metric=time.late_ms from the raw points only: each cell's standard error (its per-step lateness)
+    noise: list[list[float | None]] | None = None
 
 
 class ModuleAmax(BaseModel):

@@ -35,12 +35,14 @@ MAX_BUCKETS = 2000
 MODES = ("median", "absolute")
 LATE = "time.late_ms"  # derived: who holds the run up (stepwatch_server.timeline), answered as mode "late"
 TIMELINE = ("time.data_ms", "time.backward_ms", "time.optimizer_ms", "time.step_ms")  # what LATE reads
+LATE_MIN_STEPS = 8  # LATE's columns hold at least this many steps: who holds the run up is judged over a few
 
 
-def bucket_edges(first: int, last: int, buckets: int) -> tuple[np.ndarray, int]:
-    """The first step of each bucket and the bucket width (steps), covering first..last."""
+def bucket_edges(first: int, last: int, buckets: int, min_width: int = 1) -> tuple[np.ndarray, int]:
+    """The first step of each bucket and the bucket width (steps, at least `min_width`), covering
+    first..last."""
     span = last - first + 1
-    width = max(1, -(-span // buckets))
+    width = max(min_width, -(-span // buckets))
     return np.arange(first, last + 1, width, dtype=np.int64), width
 
 
@@ -119,8 +121,9 @@ def heatmap_from_rollups(
 
 
 def late_heatmap(parts: Sequence[Cells | None]) -> dict[str, Any]:
-    """Who holds the run up (stepwatch_server.timeline), from the cells of `TIMELINE`'s metrics on one
-    grid: each cell 1 + the rank's lateness / the column's median step time; `median` the latter (ms)."""
+    """Who holds the run up (stepwatch_server.timeline), from the rank rollups' cells of `TIMELINE`'s
+    metrics on one grid (columns of 64 steps or more): each cell 1 + the rank's lateness / the column's
+    median step time; `median` the latter (ms). No `noise`: a column's mean over 64+ steps is steady."""
     present = [c for c in parts if c is not None and c.ranks.size]
     if len(present) < len(parts) or not present:
         return _empty()
@@ -129,6 +132,43 @@ def late_heatmap(parts: Sequence[Cells | None]) -> dict[str, Any]:
     data, backward, optimizer, step = (c.means(ranks) for c in present)
     ratio, median_step = holding_up(data, backward, optimizer, step)
     return _answer(ranks, grid.starts, grid.width, ratio, median_step)
+
+
+def late_heatmap_from_points(
+    parts: Sequence[Sequence[RankSeries]], first: int, last: int, buckets: int
+) -> dict[str, Any]:
+    """The `LATE` view from the raw points of `TIMELINE`'s metrics (one list of series per metric) over
+    first..last: each cell is the lateness of the rank's mean phase times over its steps (the mean, not a
+    mean of per-step maxima, which noise would bias upwards), in columns of at least `LATE_MIN_STEPS`
+    steps, and `noise` the standard error of the rank's per-step lateness in the cell (the same unit), so
+    that a one-step hiccup (the OS, a GC pause) in a cell reads as the noise it is, and a rank late step
+    after step does not."""
+    if not all(parts):
+        return _empty()
+    ranks = np.unique(np.concatenate([[s.rank for s in part] for part in parts]))
+    starts, width = bucket_edges(first, last, buckets, LATE_MIN_STEPS)
+    cols, span = starts.shape[0], last - first + 1
+    dense = []
+    for part in parts:  # (ranks, steps padded to whole columns), NaN where nothing was stored
+        m = np.full((ranks.shape[0], cols * width), np.nan)
+        for s in part:
+            m[np.searchsorted(ranks, s.rank), s.steps - first] = s.values
+        dense.append(np.where(np.isfinite(m), m, np.nan))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # empty cells: NaN, as meant
+        per_step = holding_up(*(m[:, :span] for m in dense))[0] - 1.0
+        shaped = np.full((ranks.shape[0], cols * width), np.nan)
+        shaped[:, :span] = per_step
+        shaped = shaped.reshape(ranks.shape[0], cols, width)
+        n = np.isfinite(shaped).sum(axis=2)
+        noise = np.nanstd(shaped, axis=2, ddof=1) / np.sqrt(np.maximum(n, 1))
+        noise[n < 2] = np.nan
+        means = [np.nanmean(m.reshape(ranks.shape[0], cols, width), axis=2) for m in dense]
+    ratio, median_step = holding_up(*means)
+    return {
+        **_answer(ranks, starts, width, ratio, median_step),
+        "noise": [_nulls(r) for r in np.round(noise, 4)],
+    }
 
 
 def _empty() -> dict[str, Any]:

@@ -23,7 +23,7 @@ from stepwatch_server.dashboard.heatmap import (
     heatmap,
     heatmap_from_rollups,
     late_heatmap,
-    raw_cells,
+    late_heatmap_from_points,
     rollup_cells,
 )
 from stepwatch_server.dashboard.summary import runs_overview
@@ -106,8 +106,9 @@ def _late(
     if values > rank_rollups.RAW_READ_BUDGET:
         return late_heatmap([rollup_cells(conn, sid, first, last, buckets) for sid in ids])
     points = queries.read_points(conn, ids, None, first, last)
-    parts = [[s for s in points if s.series_id == sid] for sid in ids]
-    return late_heatmap([raw_cells(part, first, last, buckets) if part else None for part in parts])
+    return late_heatmap_from_points(
+        [[s for s in points if s.series_id == sid] for sid in ids], first, last, buckets
+    )
 
 
 @router.get(
