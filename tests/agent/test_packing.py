@@ -136,11 +136,15 @@ def test_square_sums_match_the_per_tensor_norm_and_leave_the_gradients_alone() -
         want = torch.stack([t.double().square().sum() for t in tensors]).float()
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, want, rtol=1e-4, atol=0)  # float32 sums of 1M squares
-        # The total alone (a step that ships no per-parameter norms), from a fresh plan and a made one.
+        # The norm alone (a step that ships no per-parameter norms), from a fresh plan and a made one,
+        # returned or written into a float32 0-dim tensor.
         for sums in (_device.SquareSums(), square_sums):
-            total = sums.total(tensors, key)
-            assert total.dim() == 0 and total.dtype in (torch.float32, torch.float64)
-            torch.testing.assert_close(total.double(), want.double().sum(), rtol=1e-4, atol=0)
+            norm = sums.norm(tensors, key)
+            assert norm.dim() == 0 and norm.dtype in (torch.float32, torch.float64)
+            torch.testing.assert_close(norm.double(), want.double().sum().sqrt(), rtol=1e-4, atol=0)
+            into = torch.zeros(3)[1]
+            assert sums.norm(tensors, key, into) is into
+            torch.testing.assert_close(into.double(), want.double().sum().sqrt(), rtol=1e-4, atol=0)
         assert all(torch.equal(a, b) for a, b in zip(tensors, before, strict=True))
 
 

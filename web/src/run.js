@@ -173,11 +173,15 @@ export function renderRun(main, run) {
   // -- heatmaps and amax ------------------------------------------------------------------------------
   const rangeParams = () => (group.range ? { from_step: Math.max(0, Math.floor(group.range[0])), to_step: Math.ceil(group.range[1]) } : {});
   // Answers come back in any order: one asked for a range the page no longer shows (a slow full-range
-  // heatmap after a zoom) is dropped, so the newest range always wins.
+  // heatmap after a zoom) is dropped, and so is any answer older than the last request for the same
+  // view (a generation per target: a slow forward-time answer after the view was switched, or an older
+  // refresh), so the newest request always wins.
   const rangeKey = () => JSON.stringify(rangeParams());
-  const forRange = (promise, apply) => {
+  const generations = {};
+  const forRange = (target, promise, apply) => {
     const asked = rangeKey();
-    return promise.then((d) => { if (state.alive && rangeKey() === asked) apply(d); });
+    const generation = (generations[target] = (generations[target] ?? 0) + 1);
+    return promise.then((d) => { if (state.alive && rangeKey() === asked && generations[target] === generation) apply(d); });
   };
 
   async function loadHeatmaps(metrics) {
@@ -186,18 +190,18 @@ export function renderRun(main, run) {
     phaseNote.textContent = view.note;
     heat.setMode(view.metric === "time.late_ms" ? "late" : "median");
     if ((view.needs ?? [view.metric]).every((m) => metrics.includes(m))) {
-      jobs.push(forRange(getJson(`${path}/heatmap`, { metric: state.phase, mode: "median", buckets: HEATMAP_BUCKETS, ...rangeParams() }), (d) => heat.setData(d)));
+      jobs.push(forRange("heat", getJson(`${path}/heatmap`, { metric: state.phase, mode: "median", buckets: HEATMAP_BUCKETS, ...rangeParams() }), (d) => heat.setData(d)));
     } else heat.setData(null);
     const memory = MEMORY.find((m) => metrics.includes(m.metric));
     if (memory) {
       memNote.textContent = `${memory.label}; each cell the peak of its steps`;
-      jobs.push(forRange(getJson(`${path}/heatmap`, { metric: memory.metric, mode: "absolute", buckets: HEATMAP_BUCKETS, ...rangeParams() }), (d) => mem.setData(d)));
+      jobs.push(forRange("memory", getJson(`${path}/heatmap`, { metric: memory.metric, mode: "absolute", buckets: HEATMAP_BUCKETS, ...rangeParams() }), (d) => mem.setData(d)));
     } else mem.setData(null);
     await Promise.all(jobs);
   }
 
   async function loadAmax() {
-    await forRange(getJson(`${path}/amax`, { max_points: MAX_POINTS, ...rangeParams() }), (d) => amax.show(d));
+    await forRange("amax", getJson(`${path}/amax`, { max_points: MAX_POINTS, ...rangeParams() }), (d) => amax.show(d));
   }
 
   function refreshSlow() {

@@ -28,6 +28,7 @@ SMALL_ELEMENTS = 4096
 _flatten = torch._utils._flatten_dense_tensors
 _segment_reduce = torch.segment_reduce
 _foreach_norm = torch._foreach_norm
+_vector_norm = torch.linalg.vector_norm
 _numel, _shape = torch.Tensor.numel, attrgetter("shape")
 
 
@@ -153,15 +154,20 @@ class SquareSums:
             out = sums[0] if len(sums) == 1 else torch.cat(sums)
             return _f32(out if self._order is None else out.index_select(0, self._order))
 
-    def total(self, tensors: list[torch.Tensor], key: tuple[int, ...]) -> torch.Tensor:
-        """The sum of all the squares, 0-dim float32 (or float64): the same plan, without the per-tensor
-        sums a step that ships no per-parameter norms does not need (one `dot` per part instead of a
-        square, a row sum, a `cat` and an `index_select`: a fixed cost of every step)."""
+    def norm(
+        self, tensors: list[torch.Tensor], key: tuple[int, ...], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The L2 norm of all the tensors together, 0-dim float32 (or float64), into `out` when given
+        (a float32 0-dim tensor on their device): the same plan, without the per-tensor sums a step
+        that ships no per-parameter norms does not need. One `vector_norm` per part and, for two parts
+        (weights and biases), one `hypot`: three dispatches fewer than a `dot` per part (each after a
+        `view`), their sum and a `sqrt`, a fixed cost of every step."""
         with torch.no_grad():
-            sums = self._each_part(tensors, key, self._part_total)
-            if len(sums) < 3:  # one part, or two (weights and biases): one op fewer than stack + sum
-                return sums[0] if len(sums) == 1 else sums[0].add(sums[1])
-            return torch.stack(sums).sum()
+            norms = self._each_part(tensors, key, self._part_norm)
+            if len(norms) == 2 and norms[0].dtype == norms[1].dtype:
+                return torch.hypot(norms[0], norms[1], out=out) if out is not None else torch.hypot(*norms)
+            one = norms[0] if len(norms) == 1 else _vector_norm(torch.stack([_f32(n) for n in norms]))
+            return out.copy_(one) if out is not None else one
 
     def _each_part(
         self,
@@ -178,12 +184,11 @@ class SquareSums:
             self._parts, self._order = [("each", list(range(len(tensors))))], None
             return [part("each", tensors)]
 
-    def _part_total(self, kind: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+    def _part_norm(self, kind: str, tensors: list[torch.Tensor]) -> torch.Tensor:
         if kind == "each":
-            norms = _foreach_norms(tensors, 2)
-            return torch.dot(norms, norms)
-        flat = _wide(_flatten(tensors) if kind == "flat" else torch.stack(tensors).view(-1))
-        return torch.dot(flat, flat)
+            return _vector_norm(_foreach_norms(tensors, 2))
+        joined = _flatten(tensors) if kind == "flat" else torch.stack(tensors)
+        return _vector_norm(joined, dtype=None if joined.dtype in (_F32, torch.float64) else _F32)
 
     def _part(self, kind: str, tensors: list[torch.Tensor]) -> torch.Tensor:
         if kind == "each":

@@ -376,11 +376,9 @@ class Hooks:
             # overflow. Per-parameter sums only where they are shipped or weighted.
             cur.hook_names.append("grad_norm")
             if not (cur.sampled or self._copies):
-                total = self._square_sums.total(grads, key)
-                if cur.row and total.device == self.device:
-                    cur.scalars.append(torch.sqrt(total, out=cur.row[0]))
-                else:
-                    cur.scalars.append(total.sqrt().float())
+                into = cur.row[0] if cur.row and grads[0].device == self.device else None
+                norm = self._square_sums.norm(grads, key, into)
+                cur.scalars.append(norm if norm.dtype == _f32 else norm.float())
                 return
             squares = self._square_sums(grads, key)
             if cur.row and squares.device == self.device:
