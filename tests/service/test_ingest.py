@@ -267,3 +267,38 @@ def test_a_batch_taking_a_run_over_the_series_name_limit_is_422_and_stores_nothi
     assert at_limit.json()["rows"] == 5
     assert collector.counts()["series"] == MAX_SERIES_PER_RUN
     assert collector.post(steps_batch("other-run", uuid.uuid4().hex, 0, [1], x=[1.0])).status_code == 200
+
+
+def test_rank_state_moves_forward_only_and_a_late_batch_of_an_older_incarnation_changes_nothing(
+    collector: Collector,
+) -> None:
+    """The rank row is one conditional UPDATE per batch (ingest/store.py `_rank_update`): last_step and
+    the heartbeat only move forward, values a batch lacks are kept, a newer incarnation takes over."""
+    run, old, new = f"state-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex, uuid.uuid4().hex
+
+    def post(session: str, seq: int, steps: list[int], **fields: Any) -> None:
+        doc = {**steps_batch(run, session, seq, steps, rank=1, world_size=4, loss=[1.0] * len(steps)), **fields}
+        assert collector.post(doc).status_code == 200
+
+    def state() -> dict[str, Any]:
+        (found,) = collector.get(f"/api/v1/runs/{run}/ranks")["ranks"]
+        return dict(found)
+
+    hb = {"ts": 1_764_427_300.0, "phase": "forward", "last_step": 20}
+    post(old, 0, [10, 20], node="n1", heartbeat=hb, agent={"version": "1.0", "counters": {"sent": 2}})
+    first = state()
+    assert (first["incarnation"], first["last_step"], first["node"], first["phase"]) == (1, 20, "n1", "forward")
+    post(old, 1, [5], heartbeat={**hb, "ts": hb["ts"] - 10, "phase": "data", "last_step": 5})  # out of order
+    kept = state()
+    assert (kept["last_step"], kept["phase"]) == (20, "forward")
+    assert kept["last_heartbeat_at"] == first["last_heartbeat_at"]
+    assert kept["agent"] == {"version": "1.0", "counters": {"sent": 2}}  # not in this batch: kept
+    post(new, 0, [3], node="n2")  # a restart: a new incarnation from step 3
+    restarted = state()
+    assert (restarted["incarnation"], restarted["last_step"], restarted["node"]) == (2, 3, "n2")
+    post(old, 2, [30], node="n1", heartbeat={**hb, "ts": hb["ts"] + 99, "phase": "backward"})  # late, old
+    late = state()
+    assert {k: late[k] for k in ("incarnation", "last_step", "node", "phase")} == {
+        k: restarted[k] for k in ("incarnation", "last_step", "node", "phase")
+    }
+    assert late["last_seen_at"] >= restarted["last_seen_at"]
