@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -169,3 +170,13 @@ def database(backend: str, name: str, tmp: Path) -> Iterator[str]:
     finally:
         with psycopg.connect(PG_ADMIN_DSN, autocommit=True, connect_timeout=10) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+
+
+def timed_threads(threads: list[threading.Thread], timeout_s: float) -> float:
+    """Start `threads`, wait for each (at most `timeout_s` apiece); the wall seconds from the first start."""
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    return time.perf_counter() - started

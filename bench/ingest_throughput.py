@@ -135,12 +135,7 @@ def send_all(url: str, bodies: list[bytes], senders: int) -> tuple[float, int, l
             conn.close()
 
     threads = [threading.Thread(target=sender, args=(k,), daemon=True) for k in range(senders)]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(REQUEST_TIMEOUT_S * len(bodies))
-    return time.perf_counter() - started, sum(rows), errors
+    return _servers.timed_threads(threads, REQUEST_TIMEOUT_S * len(bodies)), sum(rows), errors
 
 
 def raw_rows(
@@ -195,12 +190,7 @@ def insert_all(engine: Any, per_batch: list[list[Any]], threads_n: int) -> float
             errors.append(f"{type(exc).__name__}: {exc}")
 
     threads = [threading.Thread(target=writer, daemon=True) for _ in range(threads_n)]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(REQUEST_TIMEOUT_S * len(per_batch))
-    elapsed = time.perf_counter() - started
+    elapsed = _servers.timed_threads(threads, REQUEST_TIMEOUT_S * len(per_batch))
     if errors:
         raise RuntimeError(f"raw insert failed: {errors[0]}")
     return elapsed

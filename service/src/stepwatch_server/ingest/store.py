@@ -1,16 +1,26 @@
-"""The bulk writer: one validated batch -> one database transaction.
+"""The bulk writer: validated batches -> database transactions, every batch whole or not at all.
 
 Everything of a batch (its values, step timestamps, fingerprints, events, the rank's state and the
-idempotency record `(session, seq)`) is written in ONE transaction, so a batch is either stored
+idempotency record `(session, seq)`) is written in one transaction, so a batch is either stored
 whole and acknowledged, or not at all. Values go in with executemany of prepared rows
 (`insert_points`), never one ORM object per value; names are turned into small integer series ids
-through a per-run dictionary that is cached in memory once committed.
+through a per-run dictionary that is cached in memory once committed. Statements are built once per
+dialect (`_Statements`) and reused.
+
+Group commit (`_Group`): the batches that arrive while a transaction is being written go together
+into the next one. Those of the steady state (run, session and every name already stored) are written
+with one statement of each kind for the whole group (`BatchWriter._write_known`): one multi-row
+INSERT of their idempotency records, whose RETURNING tells the duplicates apart, one INSERT of all
+their values, one executemany of their step timestamps and one of the conditional rank UPDATE. A
+batch that creates something (a run's, a session's or a rank's first batch, new names) is written
+alone (`_write_one`). Each caller is answered after the commit of the transaction holding its batch.
 
 The transaction is kept to the writing itself, because on SQLite every other writer waits while one
 holds the write lock: parsing and validation run before it, a large batch's rows are built before it
 when its names are known (`_prebuild`), a run's names are read in one query, and a run has at most
-MAX_SERIES_PER_RUN names, so a batch can never make the transaction create more. It is not split into
-several transactions: a batch that fails half-way (database down, disk full) must leave nothing behind.
+MAX_SERIES_PER_RUN names, so a batch can never make the transaction create more. A batch is never
+split into several transactions: one that fails half-way (database down, disk full) must leave
+nothing behind.
 """
 
 from __future__ import annotations
@@ -21,8 +31,8 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
@@ -89,6 +99,19 @@ class SeriesIds:
                 return {}
             self._runs.move_to_end(run_id)
             return dict(known)
+
+    def lookup(self, run_id: int, wanted: Sequence[tuple[str, str]]) -> dict[tuple[str, str], int] | None:
+        """The ids of `wanted`, or None unless every one is known (no copy of a big run's whole map)."""
+        with self._lock:
+            known = self._runs.get(run_id)
+            if known is None:
+                return None
+            try:
+                found = {key: known[key] for key in wanted}
+            except KeyError:
+                return None
+            self._runs.move_to_end(run_id)
+            return found
 
     def add(self, run_id: int, ids: Mapping[tuple[str, str], int]) -> None:
         with self._lock:
@@ -194,6 +217,9 @@ class _Statements:
         )
         self.new_session = _SESSIONS.insert()
         self.batch = factory(_BATCHES).on_conflict_do_nothing().returning(_BATCHES.c.seq)
+        self.batches = (
+            factory(_BATCHES).on_conflict_do_nothing().returning(_BATCHES.c.session_id, _BATCHES.c.seq)
+        )
         self.steps = factory(_STEPS).on_conflict_do_nothing()
         self.fingerprints = factory(_FINGERPRINTS).on_conflict_do_nothing()
         self.events = _EVENTS.insert()
@@ -333,21 +359,205 @@ class _Duplicate(Exception):
         self.result = result
 
 
+def _value_steps(batch: Batch) -> tuple[int, int] | None:
+    """The first and last step of the batch's values (for the rollups)."""
+    found = [a for a in (batch.steps, batch.tensor_steps) if a.size]
+    return (min(int(a.min()) for a in found), max(int(a.max()) for a in found)) if found else None
+
+
+def _insert_rows(conn: Connection, st: _Statements, batches: Sequence[tuple[Batch, int, int]]) -> None:
+    """The step timestamps, fingerprints and events of (batch, run id, incarnation): one executemany of
+    each over all the batches."""
+    steps, fingerprints, events = [], [], []
+    for batch, run_id, inc in batches:
+        steps += [
+            {"run_id": run_id, "rank": batch.rank, "step": s, "incarnation": inc, "ts": t}
+            for s, t in zip(batch.steps.tolist(), batch.timestamps.tolist(), strict=True)
+        ]
+        fingerprints += [
+            {
+                "run_id": run_id,
+                "rank": batch.rank,
+                "step": s,
+                "incarnation": inc,
+                "replica_group": batch.replica_group,
+                "shard": batch.shard,
+                "value": v,
+            }
+            for s, v in zip(batch.fingerprint_steps.tolist(), batch.fingerprints, strict=True)
+        ]
+        events += [
+            {
+                "run_id": run_id,
+                "rank": batch.rank,
+                "step": e.step,
+                "incarnation": inc,
+                "ts": e.ts,
+                "kind": e.kind,
+                "data": e.data,
+            }
+            for e in batch.events
+        ]
+    for statement, params in ((st.steps, steps), (st.fingerprints, fingerprints), (st.events, events)):
+        if params:
+            conn.execute(statement, params)
+
+
+def _rank_params(batch: Batch, run_id: int, incarnation: int, now: dt.datetime) -> dict[str, Any]:
+    """The parameters of `_rank_update` for this batch."""
+    hb = batch.heartbeat
+    batch_last = int(batch.steps[-1]) if batch.steps.size else None
+    if hb is not None and hb.last_step is not None:
+        batch_last = hb.last_step if batch_last is None else max(batch_last, hb.last_step)
+    return {
+        "b_run_id": run_id,
+        "b_rank": batch.rank,
+        "b_now": now,
+        "b_incarnation": incarnation,
+        "b_last_step": batch_last,
+        "b_has_hb": hb is not None,
+        "b_hb_at": None if hb is None else _from_unix(hb.ts),
+        "b_phase": None if hb is None else hb.phase,
+        "b_has_version": batch.agent_version is not None,
+        "b_agent_version": batch.agent_version,
+        "b_has_counters": batch.agent_counters is not None,
+        "b_agent_counters": batch.agent_counters,
+        **{f"b_{name}": getattr(batch, name) for name in RANK_IDENTITY},
+    }
+
+
+def _new_rank(p: dict[str, Any]) -> dict[str, Any]:
+    """The row of a rank seen for the first time, from its `_rank_params`."""
+    return {
+        "run_id": p["b_run_id"],
+        "rank": p["b_rank"],
+        **{name: p[f"b_{name}"] for name in RANK_IDENTITY},
+        "incarnation": p["b_incarnation"],
+        "last_step": p["b_last_step"],
+        "last_seen_at": p["b_now"],
+        "last_heartbeat_at": p["b_hb_at"],
+        "phase": p["b_phase"],
+        "agent_version": p["b_agent_version"],
+        "agent_counters": p["b_agent_counters"],
+    }
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A batch waiting for its group's transaction, and what came of it."""
+
+    batch: Batch
+    prebuilt: _Prebuilt | None
+    result: IngestResult | None = None
+    error: Exception | None = None
+    done: bool = False
+    lead: bool = False  # this caller's thread writes the next group
+    wake: threading.Event = field(default_factory=threading.Event)
+
+
+MAX_KNOWN_RUNS = 4_096  # runs, and sessions, whose ids the writer keeps (BatchWriter._remember)
+MAX_KNOWN_SESSIONS = 262_144
+MAX_GROUP_BATCHES = 64  # batches in one group transaction
+MAX_GROUP_VALUES = 200_000  # and values: a group's write lock is held about as long as one big batch's
+
+
+class _Group:
+    """Group commit without a timer: the batches that arrive while a transaction is being written wait
+    and go together into the next one. The caller whose batch finds no writer at work writes; when its
+    group is committed it wakes every caller of the group, and hands the writing to the oldest batch
+    still waiting (so that no request thread writes others' groups for long). A lone batch is written
+    at once, alone: no added latency when the collector is idle."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: list[_Pending] = []
+        self._busy = False
+        self.groups = 0  # groups written, and the batches in them: their ratio is the mean group size
+        self.batches = 0
+
+    def run(self, pending: _Pending, write: Callable[[list[_Pending]], None]) -> None:
+        with self._lock:
+            self._waiting.append(pending)
+            if not self._busy:
+                self._busy = pending.lead = True
+        while not pending.done:
+            if not pending.lead:
+                pending.wake.wait()
+                pending.wake.clear()
+                continue
+            with self._lock:
+                group: list[_Pending] = []
+                values = 0
+                while self._waiting and len(group) < MAX_GROUP_BATCHES:
+                    rows = self._waiting[0].batch.value_rows()
+                    if group and values + rows > MAX_GROUP_VALUES:
+                        break
+                    group.append(self._waiting.pop(0))
+                    values += rows
+                self.groups += 1
+                self.batches += len(group)
+            try:
+                write(group)
+            except BaseException as exc:
+                for item in group:
+                    if item.result is None and item.error is None:
+                        item.error = exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
+            finally:
+                with self._lock:
+                    for item in group:
+                        item.done = True
+                    pending.lead = False
+                    if pending.done:  # hand the writing on, or stop
+                        if self._waiting:
+                            self._waiting[0].lead = True
+                            self._waiting[0].wake.set()
+                        else:
+                            self._busy = False
+                    else:
+                        pending.lead = True  # its own batch is still waiting: the next group is its
+                for item in group:
+                    if item is not pending:
+                        item.wake.set()
+
+
 class BatchWriter:
     """Writes validated batches to one database. Thread-safe; one per engine."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._group = _Group()
+        # What committed batches made known, so that the steady state (every batch's run, session and
+        # names stored before) is written in bulk with no read: run name -> (id, world size, when its
+        # row was last touched, monotonic); session -> (run id, rank, incarnation), once its first step
+        # is stored. Ids never change; bounded, the oldest dropped first.
+        self._runs: collections.OrderedDict[str, tuple[int, int, float]] = collections.OrderedDict()
+        self._sessions: collections.OrderedDict[str, tuple[int, int, int]] = collections.OrderedDict()
+        self._known_lock = threading.Lock()
         self.series_ids = SeriesIds()
         self.health = WriteHealth()  # /healthz reports a write that failed (a full disk answers SELECT 1)
 
     def write(self, batch: Batch) -> IngestResult:
         """Store `batch` (or recognise it as a duplicate) and return the answer's numbers.
 
-        Returns only after the transaction committed. Raises InvalidBatch when the session id is
-        already used by another run or rank.
+        Returns only after the transaction that holds it committed. Raises InvalidBatch when the session
+        id is already used by another run or rank. Batches written at the same time share one
+        transaction (group commit, `_Group`): each in its own savepoint, so that one refused batch
+        leaves the others' rows in place, and each caller answered only after that commit.
         """
-        prebuilt = self._prebuild(batch)
+        pending = _Pending(batch, self._prebuild(batch))
+        self._group.run(pending, self._write_group)
+        if pending.error is not None:
+            raise pending.error
+        assert pending.result is not None
+        return pending.result
+
+    @property
+    def group_sizes(self) -> tuple[int, int]:
+        """(groups written, batches in them) since start."""
+        return self._group.groups, self._group.batches
+
+    def _write_one(self, batch: Batch, prebuilt: _Prebuilt | None) -> IngestResult:
+        """`batch` alone in its own transaction, retried when it lost a race on a unique key."""
         for attempt in range(1, MAX_WRITE_ATTEMPTS + 1):
             new_series: dict[tuple[str, str], int] = {}
             try:
@@ -367,8 +577,130 @@ class BatchWriter:
             self.health.stored()
             if new_series:  # cached only once committed
                 self.series_ids.add(result.run_id, new_series)
+            self._remember(batch, result, None)
             return result
         raise AssertionError("unreachable")
+
+    def _write_group(self, group: list[_Pending]) -> None:
+        """The batches of `group` whose run, session and names are known (the steady state) in one
+        transaction of bulk statements (`_write_known`); the others one by one (`_write_one`: they
+        create rows, read what they need, and may race other first batches)."""
+        known: list[tuple[_Pending, tuple[int, int, dict[tuple[str, str], int]]]] = []
+        unknown: list[_Pending] = []
+        for item in group:
+            found = self._known(item.batch)
+            if found is None:
+                unknown.append(item)
+            else:
+                known.append((item, found))
+        if known:
+            self._write_known(known)
+        for item in unknown:
+            try:
+                item.result = self._write_one(item.batch, item.prebuilt)
+            except Exception as exc:
+                item.error = exc
+
+    def _known(self, batch: Batch) -> tuple[int, int, dict[tuple[str, str], int]] | None:
+        """(run id, incarnation, series ids) when every one of them is known, else None."""
+        with self._known_lock:
+            run = self._runs.get(batch.run)
+            session = self._sessions.get(batch.session)
+        if run is None or session is None or session[:2] != (run[0], batch.rank):
+            return None
+        ids = self.series_ids.lookup(run[0], _wanted(batch))
+        return None if ids is None else (run[0], session[2], ids)
+
+    def _remember(self, batch: Batch, result: IngestResult, touched: float | None) -> None:
+        """After a commit: the batch's run and (once it holds a step) its session."""
+        with self._known_lock:
+            old = self._runs.get(batch.run)
+            when = touched if touched is not None or old is None else old[2]
+            self._runs[batch.run] = (result.run_id, batch.world_size, when or time.monotonic())
+            self._runs.move_to_end(batch.run)
+            while len(self._runs) > MAX_KNOWN_RUNS:
+                self._runs.popitem(last=False)
+            if batch.steps.size and not result.duplicate:
+                self._sessions[batch.session] = (result.run_id, batch.rank, result.incarnation)
+                self._sessions.move_to_end(batch.session)
+                while len(self._sessions) > MAX_KNOWN_SESSIONS:
+                    self._sessions.popitem(last=False)
+
+    def _write_known(
+        self, entries: list[tuple[_Pending, tuple[int, int, dict[tuple[str, str], int]]]]
+    ) -> None:
+        """Batches of known runs, sessions and names in ONE transaction: one multi-row INSERT of their
+        idempotency records (RETURNING those that were new: the others are duplicates), one INSERT of
+        all their values, one executemany each of step timestamps (and fingerprints, events) and of the
+        rank UPDATE, and the run rows that are due a touch. Should it fail for any reason but the
+        database's (a 503 for all), each batch is written again alone, so that only a bad one fails."""
+        now, mono = _utcnow(), time.monotonic()
+        first: dict[tuple[str, int], _Pending] = {}
+        for item, _ in entries:
+            first.setdefault((item.batch.session, item.batch.seq), item)
+        touch: dict[int, int] = {}
+        with self._known_lock:
+            for item, (run_id, _, _) in entries:
+                _, world_size, touched = self._runs.get(item.batch.run, (run_id, -1, 0.0))
+                if world_size != item.batch.world_size or mono - touched > RUN_TOUCH_INTERVAL_S:
+                    touch[run_id] = item.batch.world_size
+        try:
+            with write_transaction(self.engine) as conn:
+                st = _statements(conn)
+                records = [
+                    {"session_id": b.session, "seq": b.seq, "received_at": now, "rows": b.value_rows()}
+                    for b in (item.batch for item in first.values())
+                ]
+                new = {(session, int(seq)) for session, seq in conn.execute(st.batches, records).all()}
+                fresh = [
+                    (item, info)
+                    for item, info in entries
+                    if first[(item.batch.session, item.batch.seq)] is item
+                ]
+                fresh = [(item, info) for item, info in fresh if (item.batch.session, item.batch.seq) in new]
+                rows: list[PointRow] = []
+                for item, (run_id, inc, ids) in fresh:
+                    pre = item.prebuilt
+                    if pre is not None and (pre.run_id, pre.incarnation) == (run_id, inc):
+                        rows += pre.rows
+                    else:
+                        rows += _point_rows(item.batch, ids, inc)
+                insert_points(conn, rows)
+                _insert_rows(conn, st, [(item.batch, run_id, inc) for item, (run_id, inc, _) in fresh])
+                params = [_rank_params(item.batch, run_id, inc, now) for item, (run_id, inc, _) in fresh]
+                if params and conn.execute(st.rank, params).rowcount != len(params):
+                    for p in params:  # a rank row missing: each again (the UPDATE is idempotent)
+                        if not conn.execute(st.rank, p).rowcount:
+                            conn.execute(st.new_rank, _new_rank(p))
+                for run_id, world_size in touch.items():
+                    conn.execute(st.touch_run, {"b_id": run_id, "b_world_size": world_size, "b_now": now})
+        except (OperationalError, DatabaseTimeout) as exc:  # gone, full, read-only: a 503 for each
+            self.health.failed(exc)
+            for item, _ in entries:
+                item.error = exc
+            return
+        except Exception:
+            log.debug("a group of known batches failed; writing each alone", exc_info=True)
+            for item, _ in entries:
+                try:
+                    item.result = self._write_one(item.batch, item.prebuilt)
+                except Exception as exc:
+                    item.error = exc
+            return
+        self.health.stored()
+        stored = {id(item) for item, _ in fresh}
+        for item, (run_id, inc, _) in entries:
+            rows_in = item.batch.value_rows()
+            if id(item) in stored:
+                item.result = IngestResult(
+                    rows=rows_in, duplicates=0, incarnation=inc, run_id=run_id,
+                    steps=_value_steps(item.batch) if rows_in else None,
+                )  # fmt: skip
+            else:  # stored before, or a second copy within this group
+                item.result = IngestResult(
+                    rows=0, duplicates=rows_in, incarnation=inc, run_id=run_id, duplicate=True
+                )
+            self._remember(item.batch, item.result, mono if run_id in touch else None)
 
     def _prebuild(self, batch: Batch) -> _Prebuilt | None:
         """A large batch's value rows, built before the write transaction from reads alone, when its run,
@@ -434,48 +766,7 @@ class BatchWriter:
         else:
             point_rows = _point_rows(batch, self._series(conn, st, run_id, batch, new_series), incarnation)
         insert_points(conn, point_rows)
-        value_steps = [a for a in (batch.steps, batch.tensor_steps) if a.size]
-
-        if batch.steps.size:
-            conn.execute(
-                st.steps,
-                [
-                    {"run_id": run_id, "rank": batch.rank, "step": s, "incarnation": incarnation, "ts": t}
-                    for s, t in zip(batch.steps.tolist(), batch.timestamps.tolist(), strict=True)
-                ],
-            )
-        if batch.fingerprints:
-            conn.execute(
-                st.fingerprints,
-                [
-                    {
-                        "run_id": run_id,
-                        "rank": batch.rank,
-                        "step": s,
-                        "incarnation": incarnation,
-                        "replica_group": batch.replica_group,
-                        "shard": batch.shard,
-                        "value": v,
-                    }
-                    for s, v in zip(batch.fingerprint_steps.tolist(), batch.fingerprints, strict=True)
-                ],
-            )
-        if batch.events:
-            conn.execute(
-                st.events,
-                [
-                    {
-                        "run_id": run_id,
-                        "rank": batch.rank,
-                        "step": e.step,
-                        "incarnation": incarnation,
-                        "ts": e.ts,
-                        "kind": e.kind,
-                        "data": e.data,
-                    }
-                    for e in batch.events
-                ],
-            )
+        _insert_rows(conn, st, [(batch, run_id, incarnation)])
         self._rank(conn, st, batch, run_id, incarnation, now)
         return IngestResult(
             rows=rows,
@@ -483,11 +774,7 @@ class BatchWriter:
             incarnation=incarnation,
             run_id=run_id,
             restarted=new_session and incarnation > 1,
-            steps=(
-                (min(int(a.min()) for a in value_steps), max(int(a.max()) for a in value_steps))
-                if point_rows
-                else None
-            ),
+            steps=_value_steps(batch) if point_rows else None,
         )
 
     def _run_id(self, conn: Connection, st: _Statements, batch: Batch, now: dt.datetime) -> int:
@@ -593,44 +880,7 @@ class BatchWriter:
         """The rank's row: one conditional UPDATE (`_rank_update`, which also takes PostgreSQL's row lock),
         and an INSERT when the rank has none yet (two first batches at once: one fails the primary key
         and write() tries it again, as an update)."""
-        hb = batch.heartbeat
-        batch_last = int(batch.steps[-1]) if batch.steps.size else None
-        if hb is not None and hb.last_step is not None:
-            batch_last = hb.last_step if batch_last is None else max(batch_last, hb.last_step)
-        identity = {name: getattr(batch, name) for name in RANK_IDENTITY}
-        hb_at = None if hb is None else _from_unix(hb.ts)
-        changed = conn.execute(
-            st.rank,
-            {
-                "b_run_id": run_id,
-                "b_rank": batch.rank,
-                "b_now": now,
-                "b_incarnation": incarnation,
-                "b_last_step": batch_last,
-                "b_has_hb": hb is not None,
-                "b_hb_at": hb_at,
-                "b_phase": None if hb is None else hb.phase,
-                "b_has_version": batch.agent_version is not None,
-                "b_agent_version": batch.agent_version,
-                "b_has_counters": batch.agent_counters is not None,
-                "b_agent_counters": batch.agent_counters,
-                **{f"b_{name}": value for name, value in identity.items()},
-            },
-        ).rowcount
-        if changed:
+        params = _rank_params(batch, run_id, incarnation, now)
+        if conn.execute(st.rank, params).rowcount:
             return
-        conn.execute(
-            st.new_rank,
-            {
-                "run_id": run_id,
-                "rank": batch.rank,
-                **identity,
-                "incarnation": incarnation,
-                "last_step": batch_last,
-                "last_seen_at": now,
-                "last_heartbeat_at": hb_at,
-                "phase": None if hb is None else hb.phase,
-                "agent_version": batch.agent_version,
-                "agent_counters": batch.agent_counters,
-            },
-        )
+        conn.execute(st.new_rank, _new_rank(params))

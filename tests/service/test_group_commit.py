@@ -1,0 +1,82 @@
+"""Group commit (ingest/store.py): batches written at the same time share one transaction of bulk
+statements, on SQLite and PostgreSQL, and each caller still gets its own truthful answer.
+
+32 threads write at once, two per rank: every batch of the 16 ranks is written twice (an agent's
+retry racing its original), in barrier-aligned rounds so that copies meet in the same group. Every
+value must be stored exactly once, one copy answered as stored and the other as a duplicate, the
+ranks' state must end at their last step, and some groups must have held several batches.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Any
+
+from sqlalchemy import Engine, func, select
+
+from stepwatch_server.ingest.store import BatchWriter, IngestResult
+from stepwatch_server.ingest.validate import parse_batch
+from stepwatch_server.storage.models import IngestedBatch, Point, Rank, StepRecord
+
+RANKS, ROUNDS = 16, 12
+NAMES = [f"m{i}" for i in range(20)]
+JOIN_S = 120.0
+
+
+def _doc(session: str, rank: int, seq: int) -> dict[str, Any]:
+    steps = [2 * seq + 1, 2 * seq + 2]
+    return {
+        "schema": 1, "run": "grouped", "session": session, "seq": seq, "rank": rank, "world_size": RANKS,
+        "steps": steps, "timestamps": [1.7e9 + s for s in steps],
+        "metrics": {n: [float(rank * 1000 + s) for s in steps] for n in NAMES},
+        "heartbeat": {"ts": 1.7e9 + steps[-1], "phase": "data", "last_step": steps[-1]},
+    }  # fmt: skip
+
+
+def test_concurrent_batches_and_their_retries_are_stored_once_each_answered_truthfully(
+    engine: Engine,
+) -> None:
+    writer = BatchWriter(engine)
+    sessions = [uuid.uuid4().hex for _ in range(RANKS)]
+    for rank, session in enumerate(sessions):  # each rank's first batch: creates its session and rank row
+        assert writer.write(parse_batch(_doc(session, rank, 0))).rows == 2 * len(NAMES)
+    answers: dict[tuple[int, int], list[IngestResult]] = {}
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(2 * RANKS)
+
+    def copy_of(rank: int) -> None:
+        try:
+            for seq in range(1, ROUNDS + 1):
+                barrier.wait(timeout=JOIN_S)
+                result = writer.write(parse_batch(_doc(sessions[rank], rank, seq)))
+                with lock:
+                    answers.setdefault((rank, seq), []).append(result)
+        except BaseException as exc:
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=copy_of, args=(r % RANKS,)) for r in range(2 * RANKS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(JOIN_S)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+
+    per_batch = 2 * len(NAMES)
+    for key, (a, b) in answers.items():
+        stored, dup = sorted((a, b), key=lambda r: r.duplicate)
+        assert (stored.rows, stored.duplicate, stored.duplicates) == (per_batch, False, 0), key
+        assert (dup.rows, dup.duplicate, dup.duplicates) == (0, True, per_batch), key
+        assert stored.incarnation == dup.incarnation == 1 and stored.steps == (2 * key[1] + 1, 2 * key[1] + 2)
+    with engine.connect() as conn:
+        values = conn.execute(select(func.count()).select_from(Point)).scalar_one()
+        steps = conn.execute(select(func.count()).select_from(StepRecord)).scalar_one()
+        batches = conn.execute(select(func.count()).select_from(IngestedBatch)).scalar_one()
+        last = dict(conn.execute(select(Rank.rank, Rank.last_step)).all())
+    assert values == RANKS * (ROUNDS + 1) * per_batch
+    assert steps == RANKS * (ROUNDS + 1) * 2 and batches == RANKS * (ROUNDS + 1)
+    assert last == {rank: 2 * ROUNDS + 2 for rank in range(RANKS)}
+    groups, written = writer.group_sizes
+    assert written == RANKS + 2 * RANKS * ROUNDS and groups < written, (groups, written)
