@@ -302,3 +302,29 @@ def test_rank_state_moves_forward_only_and_a_late_batch_of_an_older_incarnation_
         k: restarted[k] for k in ("incarnation", "last_step", "node", "phase")
     }
     assert late["last_seen_at"] >= restarted["last_seen_at"]
+
+
+def test_while_detection_is_full_ingest_answers_429_and_stores_nothing_then_takes_it_again(
+    collector: Collector,
+) -> None:
+    """Every slot of the detection queue taken (detection far behind): a batch stored now would never be
+    detected, so ingest refuses it with 429 and Retry-After, and takes it once a slot is free."""
+    worker = collector.server.app.state.detection
+    run, session = f"behind-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
+    assert collector.post(steps_batch(run, session, 0, [1], loss=[1.0])).status_code == 200
+    held = 0
+    while worker.reserve():  # what a backlog of 20,000 batches would hold
+        held += 1
+    try:
+        before = collector.counts()
+        refused = collector.post(steps_batch(run, session, 1, [2], loss=[0.5]))
+        assert refused.status_code == 429 and refused.headers["Retry-After"] == "2"
+        assert refused.json()["error"]["code"] == "detection_behind"
+        assert collector.counts() == before
+    finally:
+        for _ in range(held):
+            worker.release()
+    submitted = worker.submitted
+    again = collector.post(steps_batch(run, session, 1, [2], loss=[0.5]))
+    assert again.status_code == 200 and again.json()["rows"] == 1
+    assert worker.submitted == submitted + 1 and worker.dropped == 0

@@ -92,6 +92,15 @@ class ServiceUnavailable(ApiError):
     code = "unavailable"
 
 
+class DetectionBehind(ApiError):
+    """Ingest refuses a batch while the detection queue is full (detect/worker.py): stored, it would not
+    be detected. Answered with `Retry-After`."""
+
+    status = 429
+    code = "detection_behind"
+    retry_after_s = 2
+
+
 class ErrorDetail(BaseModel):
     code: str
     field: str | None
@@ -151,6 +160,8 @@ def _render(
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
     headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else None
+    if isinstance(exc, DetectionBehind):
+        headers = {"Retry-After": str(exc.retry_after_s)}
     return _render(exc.status, exc.code, exc.field, exc.message, headers)
 
 

@@ -6,6 +6,7 @@ import logging
 import socket
 import threading
 import time
+from typing import Any
 
 import uvicorn
 
@@ -56,6 +57,11 @@ class BackgroundServer:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def app(self) -> Any:
+        """The FastAPI app being served (its `state` holds the writer and the workers)."""
+        return self._server.config.app
 
     def start(self) -> BackgroundServer:
         self._thread.start()

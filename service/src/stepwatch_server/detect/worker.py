@@ -1,9 +1,12 @@
 """The detection bus: stored batches in, anomalies stored, on one background thread.
 
-Ingest hands every stored batch to `DetectionWorker.submit()` right after its commit (the ingest
-route's `_after_commit`). `submit` only puts the batch on a bounded queue and returns: when the
-queue is full the batch is dropped for detection (it is stored all the same), counted, and logged
-once, so that the ingest handler never waits on the detectors. One thread owns the engine (which is
+Ingest takes a slot (`reserve()`) before it writes a batch, and hands the stored batch to
+`DetectionWorker.submit()` right after its commit (the ingest route's `_after_commit`); the thread frees
+the slot when it takes the batch off the queue. `MAX_QUEUED_BATCHES` slots bound the queue: with none
+free, ingest answers 429 and stores nothing (the agent spools and retries), so no batch is stored without
+being detected and the ingest handler never waits on the detectors. A batch submitted without a slot
+(none free, or the worker stopping) is dropped for detection (it is stored all the same), counted, and
+logged once. One thread owns the engine (which is
 not thread-safe): it takes what is queued (up to `MAX_BATCHES_PER_ROUND`), feeds the engine, and
 writes the anomalies that changed in one transaction; when nothing arrives for `TICK_INTERVAL_S` it
 lets time pass in the engine (`engine.tick`), which is how a run that went silent becomes a hang.
@@ -37,7 +40,7 @@ from stepwatch_server.metrics import detection_dropped, detection_round
 
 log = logging.getLogger(__name__)
 
-MAX_QUEUED_BATCHES = 20_000  # ~40 batches from each of 512 ranks; beyond it batches skip detection
+MAX_QUEUED_BATCHES = 20_000  # ~40 batches from each of 512 ranks; beyond it ingest answers 429
 MAX_BATCHES_PER_ROUND = 512  # batches fed between two writes (one transaction per round)
 TICK_INTERVAL_S = 1.0  # engine.tick when idle this long
 LAG_WINDOW = 10_000  # recent per-batch latencies kept for the percentiles
@@ -55,7 +58,8 @@ class DetectionWorker:
         self.db = engine
         self._on_stored = on_stored  # called in each write's transaction (detect/store.py)
         self.engine = DetectionEngine(settings)
-        self._queue: queue.Queue[tuple[Batch, float]] = queue.Queue(MAX_QUEUED_BATCHES)
+        self._queue: queue.Queue[tuple[Batch, float]] = queue.Queue()  # bounded by the slots
+        self._slots = threading.Semaphore(MAX_QUEUED_BATCHES)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -92,17 +96,27 @@ class DetectionWorker:
                 )
 
     # -- the ingest side ------------------------------------------------------------------------
-    def submit(self, batch: Batch, ack_monotonic: float | None = None) -> bool:
-        """Queue a stored batch for detection; False when it was dropped (queue full or stopping)."""
+    def reserve(self) -> bool:
+        """Take a slot for a batch about to be stored (never waits); False when every slot is taken."""
+        return self._slots.acquire(blocking=False)
+
+    def release(self) -> None:
+        """Give back a slot whose batch will not be submitted (a duplicate, a refused or failed write)."""
+        self._slots.release()
+
+    def submit(self, batch: Batch, ack_monotonic: float | None = None, reserved: bool = False) -> bool:
+        """Queue a stored batch for detection, in the slot taken by `reserve()` when `reserved`; False
+        when it was dropped (no slot free, or stopping)."""
         ack = time.monotonic() if ack_monotonic is None else ack_monotonic
         with self._lock:
             self.submitted += 1
         if self._stop.is_set():
+            if reserved:
+                self.release()
             return self._drop("the detection worker is stopping")
-        try:
-            self._queue.put_nowait((batch, ack))
-        except queue.Full:
+        if not reserved and not self.reserve():
             return self._drop(f"the detection queue is full ({MAX_QUEUED_BATCHES} batches)")
+        self._queue.put_nowait((batch, ack))
         return True
 
     def _drop(self, why: str) -> bool:
@@ -153,6 +167,8 @@ class DetectionWorker:
                 items.append(self._queue.get_nowait())
             except queue.Empty:
                 break
+        for _ in items:  # off the queue: their slots are free for ingest again
+            self._slots.release()
         return items
 
     def _store(self, changed: list[Anomaly]) -> None:

@@ -18,7 +18,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from stepwatch_server.auth import Grant, check_write, write_access
-from stepwatch_server.errors import ErrorAnswer
+from stepwatch_server.detect.worker import MAX_QUEUED_BATCHES
+from stepwatch_server.errors import DetectionBehind, ErrorAnswer
 from stepwatch_server.ingest.body import decode_body, read_body_bounded
 from stepwatch_server.ingest.example import EXAMPLE_BATCH
 from stepwatch_server.ingest.schema import (
@@ -97,18 +98,23 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (413, "Over the size limit."),
         (415, "Unsupported Content-Encoding."),
         (422, "A field is invalid; `field` and `message` say which and why."),
+        (429, "Detection is too far behind (`detection_behind`): nothing stored; retry after `Retry-After`."),
     )
 }
 
 
 def _after_commit(request: Request, batch: Batch, result: IngestResult) -> None:
-    """Stored batches leave ingest here: to the detection worker's queue (never blocks; a full queue
-    drops the batch for detection only), and their run and step range to the rollup worker. A duplicate is not re-fed; a batch with only steps or a
-    heartbeat is, because that is how hangs are told apart."""
+    """Stored batches leave ingest here: to the detection worker's queue, in the slot the request took
+    before writing (never blocks), and their run and step range to the rollup worker. A duplicate is
+    not re-fed (its slot is freed); a batch with only steps or a heartbeat is, because that is how hangs
+    are told apart."""
     worker = request.app.state.detection
     stored = result.rows > 0 or batch.steps.size > 0 or batch.heartbeat is not None
-    if worker is not None and not result.duplicate and stored:
-        worker.submit(batch, time.monotonic())
+    if worker is not None:
+        if not result.duplicate and stored:
+            worker.submit(batch, time.monotonic(), reserved=True)
+        else:
+            worker.release()
     if request.app.state.rollups is not None and result.steps is not None:  # runs/rollup_worker.py
         request.app.state.rollups.submit(result.run_id, *result.steps)
 
@@ -136,14 +142,25 @@ async def ingest(request: Request) -> Response:
     settings: Settings = request.app.state.settings
     grant = write_access(request)
     raw = await read_body_bounded(request, settings.max_batch_bytes)
-    batch, result = await run_in_threadpool(
-        _ingest_sync,
-        request.app.state.writer,
-        grant,
-        raw,
-        request.headers.get("content-encoding"),
-        settings.max_batch_bytes,
-    )
+    worker = request.app.state.detection
+    if worker is not None and not worker.reserve():  # stored now, this batch would never be detected
+        raise DetectionBehind(
+            f"detection is {MAX_QUEUED_BATCHES:,} batches behind: nothing was stored; send this batch again "
+            f"after {DetectionBehind.retry_after_s} s (the agent backs off and spools it)"
+        )
+    try:
+        batch, result = await run_in_threadpool(
+            _ingest_sync,
+            request.app.state.writer,
+            grant,
+            raw,
+            request.headers.get("content-encoding"),
+            settings.max_batch_bytes,
+        )
+    except BaseException:
+        if worker is not None:
+            worker.release()
+        raise
     _after_commit(request, batch, result)
     ingest_accepted(len(raw), result.rows, result.duplicate, time.perf_counter() - started)
     return json_response(result.answer())

@@ -45,6 +45,7 @@ REJECT_REASONS = (
     "unsupported_schema",
     "session_conflict",
     "too_many_series",
+    "detection_behind",
     "internal_error",
 )
 ALERT_CHANNEL_TYPES = ("slack", "webhook")
