@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import stepwatch
+from stepwatch._config import build_config
 from stepwatch._hooks import Tap
 
 from .conftest import REPO_AGENT_SRC, Receiver, make_model, train
@@ -70,6 +71,7 @@ def test_all_is_honest() -> None:
         ({"run": "."}, "run"),
         ({"url": "ftp://host"}, "url"),
         ({"url": "http://:80"}, "url"),
+        ({"url": "http://c1:8000,ftp://c2"}, "ftp://c2"),  # each of several collectors is checked
         ({"amax_every": 0}, "amax_every"),
         ({"amax_every": 2.5}, "amax_every"),
         ({"fingerprint_every": -1}, "fingerprint_every"),
@@ -339,3 +341,21 @@ def test_a_forward_someone_else_wrapped_is_kept_and_given_back_at_close(
     amax = [b["tensors"]["stats"]["amax"] for b in receiver.accepted() if "tensors" in b]
     assert amax and all(set(a) == {"fc1", "fc2"} for a in amax)
     assert receiver.steps() == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("world_size", "options", "flush_s", "heartbeat_s"),
+    [
+        (8, {}, 2.0, 5.0),
+        (4_000, {}, 2.0, 5.0),
+        (16_384, {}, 16_384 / 2_000, 16_384 / 2_000),  # the whole run sends <= 2,000 batches/s
+        (16_384, {"flush_interval_s": 1.0}, 1.0, 5.0),  # what the user set wins
+        (16_384, {"heartbeat_interval_s": 3.0}, 16_384 / 2_000, 3.0),
+    ],
+)
+def test_the_default_cadence_grows_with_the_run(
+    world_size: int, options: dict[str, Any], flush_s: float, heartbeat_s: float
+) -> None:
+    config = build_config("cadence", None, None, options, environ={}).for_world(world_size)
+    assert (config.flush_interval_s, config.heartbeat_interval_s) == pytest.approx((flush_s, heartbeat_s))
+    assert world_size / config.flush_interval_s <= 2_000 or "flush_interval_s" in options

@@ -392,3 +392,35 @@ def test_a_collector_answering_a_byte_at_a_time_cannot_hold_the_sender(
     assert receiver.wait_for(lambda: watch.stats()["spooled_batches"] >= 1, 10)
     watch.close(timeout_s=1.0)
     assert watch.stats()["sent_batches"] == 0
+
+
+def test_ranks_spread_over_several_collectors_and_fail_over_to_the_next(fast: dict[str, Any]) -> None:
+    """url lists two collectors: rank r starts on the (r mod 2)-th; a rank whose collector cannot be
+    reached moves to the next, and its batches arrive there."""
+    first, second = Receiver().start(), Receiver().start()
+    try:
+        both = f"{first.url},{second.url}"
+        body = gzip.compress(json.dumps({"steps": []}).encode())
+        for rank, expected in ((0, first), (1, second), (2, first)):
+            transport = Transport(
+                [u + "/api/v1/ingest" for u in both.split(",")],
+                None,
+                2.0,
+                threading.Event(),
+                Counters(),
+                rank,
+            )
+            assert transport.url == expected.url + "/api/v1/ingest"
+            assert transport.post_once(body, 2.0).outcome is Outcome.SENT
+        dead = f"http://127.0.0.1:{free_port()}"
+        model, opt = make_model()
+        watch = stepwatch.attach(model, opt, run="failover", url=f"{dead},{second.url}", **fast)
+        train(model, opt, 20, between=lambda _: time.sleep(0.005))
+        watch.close(timeout_s=5)
+        stats = watch.stats()
+        assert stats["failovers"] >= 1 and stats["sent_batches"] >= 1 and stats["dropped_unsent"] == 0
+        steps = sorted(s for b in second.data_batches() if b["run"] == "failover" for s in b["steps"])
+        assert steps == list(range(1, 21))  # every step, on the collector that was up
+    finally:
+        first.stop()
+        second.stop()

@@ -8,6 +8,7 @@ Bad values raise `ValueError` here, at attach, with the fix in the message; noth
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -20,6 +21,9 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_AMAX_EVERY = 10
 DEFAULT_FINGERPRINT_EVERY = 100
 FLUSH_INTERVAL_S = 2.0
+# The default flush interval grows with the run so that all its ranks together send at most this many
+# batches a second (one collector process takes ~1,000-2,000 of the default shape: bench/batch_rate.py).
+MAX_RUN_BATCHES_PER_S = 2_000
 HEARTBEAT_INTERVAL_S = 5.0
 REQUEST_TIMEOUT_S = 5.0
 FLUSH_TIMEOUT_S = 2.0
@@ -69,10 +73,33 @@ class Config:
     timeout_s: float = REQUEST_TIMEOUT_S
     start_step: int | None = None  # None: from the optimizer's own state (a resumed run), else 0
     report_stack: bool = True  # heartbeats carry the training thread's function names (module:function)
+    flush_given: bool = False  # flush_interval_s / heartbeat_interval_s were set (else: by world size)
+    heartbeat_given: bool = False
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """The collector base URLs (`url` may list several, comma-separated)."""
+        return tuple(u.strip() for u in self.url.split(","))
+
+    @property
+    def ingest_urls(self) -> tuple[str, ...]:
+        return tuple(u.rstrip("/") + "/api/v1/ingest" for u in self.urls)
 
     @property
     def ingest_url(self) -> str:
-        return self.url.rstrip("/") + "/api/v1/ingest"
+        return self.ingest_urls[0]
+
+    def for_world(self, world_size: int) -> Config:
+        """The cadence for a run of `world_size` ranks, where not set by the user: a flush every
+        `FLUSH_INTERVAL_S`, or `world_size / MAX_RUN_BATCHES_PER_S` seconds beyond 4,000 ranks, and
+        heartbeats no more often than batches."""
+        flush = (
+            self.flush_interval_s
+            if self.flush_given
+            else max(FLUSH_INTERVAL_S, world_size / MAX_RUN_BATCHES_PER_S)
+        )
+        beat = self.heartbeat_interval_s if self.heartbeat_given else max(HEARTBEAT_INTERVAL_S, flush)
+        return dataclasses.replace(self, flush_interval_s=flush, heartbeat_interval_s=beat)
 
 
 def env_disabled(environ: Mapping[str, str] = os.environ) -> bool:
@@ -90,6 +117,15 @@ def _positive(name: str, value: Any, unit: str = "seconds") -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
         raise ValueError(f"stepwatch: option {name}={value!r} must be a finite number of {unit} > 0")
     return float(value)
+
+
+def _urls(value: Any) -> str:
+    """One collector base URL, or several separated by commas (each checked)."""
+    if not isinstance(value, str) or not value.strip():
+        return _url(value)
+    for one in value.split(","):
+        _url(one.strip())
+    return ",".join(one.strip() for one in value.split(","))
 
 
 def _url(value: Any) -> str:
@@ -132,7 +168,7 @@ def build_config(
             f"stepwatch: option run={run!r} is only dots, which names a folder, not a run; "
             "give it a letter or digit, e.g. run='exp-1'"
         )
-    url = _url(url if url is not None else environ.get("STEPWATCH_URL", DEFAULT_URL))
+    url = _urls(url if url is not None else environ.get("STEPWATCH_URL", DEFAULT_URL))
     token = token if token is not None else (environ.get("STEPWATCH_TOKEN") or None)
     if token is not None and (not isinstance(token, str) or not token or any(c in token for c in "\r\n")):
         raise ValueError("stepwatch: option token must be a non-empty string without newlines (or None)")
@@ -154,6 +190,10 @@ def build_config(
     for name in ("flush_interval_s", "heartbeat_interval_s", "timeout_s"):
         if name in options:
             kw[name] = _positive(name, options[name])
+    kw["flush_given"], kw["heartbeat_given"] = (
+        "flush_interval_s" in options,
+        "heartbeat_interval_s" in options,
+    )
     if "max_spool_mb" in options:
         kw["max_spool_mb"] = _positive("max_spool_mb", options["max_spool_mb"], "MiB")
     if "spool_dir" in options:

@@ -15,6 +15,7 @@ COUNTER_NAMES = (
     "spooled_batches",  # batches written to the local spool
     "replayed_batches",  # spooled batches later acknowledged
     "retries",  # HTTP attempts repeated after 429/502/503/504, a timeout or a connection error
+    "failovers",  # switches to the next collector URL (url lists several) after such a failure
     "send_failures",  # batches given up on by the deadline (then spooled)
     "rejected_batches",  # batches the collector refused with a 4xx (never retried; quarantined)
     "quarantined_batches",  # batches set aside on disk so that the ones behind them go on (_spool.py)

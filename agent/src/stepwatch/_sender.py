@@ -65,7 +65,9 @@ class Sender:
         self._decoder = _batch.Decoder()
         self._wake = threading.Event()
         self._stop = threading.Event()  # set by close(): ends every backoff sleep
-        self._transport = Transport(config.ingest_url, config.token, config.timeout_s, self._stop, counters)
+        self._transport = Transport(
+            config.ingest_urls, config.token, config.timeout_s, self._stop, counters, identity.rank
+        )
         self._close_deadline = 0.0
         self._thread: threading.Thread | None = None
         now = time.monotonic()
@@ -322,7 +324,7 @@ class Sender:
                 "stepwatch: %s answers %s: url (or STEPWATCH_URL) must be the collector's base address, e.g. "
                 "http://host:8000 (the agent adds /api/v1/ingest). Batches wait in the spool until it is "
                 "fixed (logged once)",
-                self.config.ingest_url, result.message,
+                self._transport.url, result.message,
             )  # fmt: skip
         elif status in (401, 403):
             self._say(
@@ -337,14 +339,14 @@ class Sender:
                 "stepwatch: the collector at %s answers %d, a redirect to %s; stepwatch does not follow "
                 "redirects: batches wait in the spool. Set url (or STEPWATCH_URL) to the address it "
                 "points to (logged once)",
-                self.config.ingest_url, status, result.location,
+                self._transport.url, status, result.location,
             )  # fmt: skip
         elif status is not None and 200 <= status < 300:
             self._say(
                 "no-ack",
                 "stepwatch: %s answered %s; only the collector's acknowledgement counts as delivered, "
                 "so batches wait in the spool. Is url a stepwatch collector? (logged once)",
-                self.config.ingest_url, result.message,
+                self._transport.url, result.message,
             )  # fmt: skip
 
     def _say(self, key: str, message: str, *args: Any) -> None:

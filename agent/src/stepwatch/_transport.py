@@ -10,6 +10,7 @@ import random
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -92,20 +93,31 @@ def _message(status: int, body: bytes) -> str:
         return f"{status} {body[:300].decode('utf-8', 'replace').strip()}"
 
 
+FAILOVER_STATUSES = frozenset({502, 503, 504})  # with no answer at all: try the next collector URL
+
+
 class Transport:
     """POSTs gzip JSON bodies to `{url}/api/v1/ingest` over one kept-alive connection (sender thread
     only). A connection the collector closed while idle is noticed on the next request, which is sent
     again at once on a new one; any other failure, a non-2xx answer or an answer that says it closes
-    drops the connection."""
+    drops the connection.
+
+    With several ingest URLs (replicas of one deployment) rank r starts on the (r mod n)-th, which
+    spreads the ranks without a load balancer, and moves to the next one after an attempt that got no
+    answer or a 502/503/504; it stays where it is while that one answers."""
 
     def __init__(
-        self, ingest_url: str, token: str | None, timeout_s: float, stop: threading.Event, counters: Counters
+        self,
+        ingest_urls: str | Sequence[str],
+        token: str | None,
+        timeout_s: float,
+        stop: threading.Event,
+        counters: Counters,
+        rank: int = 0,
     ) -> None:
-        parts = urlsplit(ingest_url)
-        self._https = parts.scheme == "https"
-        self._host = parts.hostname or "127.0.0.1"
-        self._port = parts.port
-        self._path = parts.path
+        self._urls = (ingest_urls,) if isinstance(ingest_urls, str) else tuple(ingest_urls)
+        self._index = rank % len(self._urls)
+        self._use(self._index)
         self._headers = {
             "Content-Type": "application/json",
             "Content-Encoding": "gzip",
@@ -118,6 +130,26 @@ class Transport:
         self._counters = counters
         self._conn: http.client.HTTPConnection | None = None
         self.connections = 0  # opened so far (tests/agent/test_transport.py)
+
+    @property
+    def url(self) -> str:
+        """The ingest URL requests go to now."""
+        return self._urls[self._index]
+
+    def _use(self, index: int) -> None:
+        parts = urlsplit(self._urls[index])
+        self._index = index
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname or "127.0.0.1"
+        self._port = parts.port
+        self._path = parts.path
+
+    def _fail_over(self) -> None:
+        """The next URL, for the next attempt (a no-op with one)."""
+        if len(self._urls) > 1:
+            self.close()
+            self._use((self._index + 1) % len(self._urls))
+            self._counters.add("failovers")
 
     def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
         conn = self._conn
@@ -139,7 +171,16 @@ class Transport:
     def post_once(self, body: bytes, timeout_s: float) -> Result:
         """One request (two when a kept-alive connection turns out closed), over within `timeout_s` in
         all: a socket timeout bounds each read, and a watchdog shuts the socket down at the deadline,
-        so that a collector answering a byte at a time cannot hold the sender."""
+        so that a collector answering a byte at a time cannot hold the sender. No answer, or a
+        502/503/504: the next attempt goes to the next URL."""
+        result = self._post_once(body, timeout_s)
+        if result.outcome is Outcome.UNAVAILABLE and (
+            result.status is None or result.status in FAILOVER_STATUSES
+        ):
+            self._fail_over()
+        return result
+
+    def _post_once(self, body: bytes, timeout_s: float) -> Result:
         timeout_s = max(0.05, timeout_s)
         end = time.monotonic() + timeout_s
         for attempt in range(2):

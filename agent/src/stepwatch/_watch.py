@@ -68,6 +68,7 @@ class Watch:
 
         layout = _layout_of(model, identity)
         identity = with_layout(identity, layout, config)
+        config = config.for_world(identity.world_size)  # the default cadence grows with the run
         self.config, self.identity, self.layout = config, identity, layout
         self._counters = Counters()
         self._guard = Guard(self._counters)
