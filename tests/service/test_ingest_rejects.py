@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import sys
 import uuid
 import zlib
 from collections.abc import Callable
@@ -350,6 +351,13 @@ def test_a_key_given_twice_in_a_large_body_is_found_too() -> None:
     assert decode_body(odd, None, MAX_BATCH_BYTES)["events"][1] == {"data": {"x": 1, "y": 2}}
     tricky = raw.replace(b'"schema":1', b'"schema":1,"s":"a\\":b\\":"', 1)  # '":' inside a string value
     deep = b'{"a":' + b"[" * 1_010 + b"]" * 1_010 + b"}"  # orjson parses it; the second parse cannot
-    with pytest.raises(InvalidBatch, match="too deeply"):
-        decode_body(deep, None, MAX_BATCH_BYTES)
+    # ... at Python's default recursion limit, the collector's: torch's inductor, compiled by an earlier
+    # test in this process (tests/agent/test_stacks.py), leaves it raised to 2,000.
+    raised = sys.getrecursionlimit()
+    sys.setrecursionlimit(1_000)
+    try:
+        with pytest.raises(InvalidBatch, match="too deeply"):
+            decode_body(deep, None, MAX_BATCH_BYTES)
+    finally:
+        sys.setrecursionlimit(raised)
     assert decode_body(tricky, None, MAX_BATCH_BYTES)["s"] == 'a":b":'
