@@ -11,8 +11,8 @@ from starlette.responses import Response
 
 from stepwatch_server.alerts.answers import AlertsAnswer
 from stepwatch_server.errors import InvalidParameter
+from stepwatch_server.params import Conn
 from stepwatch_server.responses import json_response
-from stepwatch_server.runs.routes import Conn
 from stepwatch_server.storage.models import AlertDelivery, AlertEvent
 
 router = APIRouter(prefix="/api/v1", tags=["alerts"])

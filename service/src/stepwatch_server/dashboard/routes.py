@@ -29,10 +29,10 @@ from stepwatch_server.dashboard.heatmap import (
 from stepwatch_server.dashboard.summary import runs_overview
 from stepwatch_server.detect.detectors.fp8_overflow import E4M3_MAX, E5M2_MAX
 from stepwatch_server.errors import RUN_NOT_FOUND, InvalidBatch, NotFound
+from stepwatch_server.params import Conn, FromStep, MaxPoints, ToStep
 from stepwatch_server.responses import float_list, json_response
 from stepwatch_server.runs import queries, rank_rollups, step_rollups
 from stepwatch_server.runs.downsample import DEFAULT_MAX_POINTS, downsample
-from stepwatch_server.runs.routes import Conn, FromStep, MaxPoints, ToStep
 from stepwatch_server.storage.models import METRIC_STAT
 
 router = APIRouter(prefix="/api/v1", tags=["dashboard"])

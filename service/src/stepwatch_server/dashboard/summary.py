@@ -14,7 +14,7 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, func, select
 
-from stepwatch_server.detect.routes import verdict as verdict_of
+from stepwatch_server.detect.verdict import verdict as verdict_of
 from stepwatch_server.runs import queries
 from stepwatch_server.storage.models import Anomaly, Event, Rank, Run, StepRecord
 

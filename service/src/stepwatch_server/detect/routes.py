@@ -24,19 +24,19 @@ from starlette.responses import Response
 
 from stepwatch_server.auth import ReadAccess, read_every_run
 from stepwatch_server.detect import answers
-from stepwatch_server.detect.anomalies import KINDS, SEVERITIES
+from stepwatch_server.detect.anomalies import KINDS
 from stepwatch_server.detect.context import missing_ranks
+from stepwatch_server.detect.verdict import verdict
 from stepwatch_server.errors import RUN_NOT_FOUND, InvalidParameter
+from stepwatch_server.params import Conn
 from stepwatch_server.responses import json_response, nonfinite_name
 from stepwatch_server.runs import queries
-from stepwatch_server.runs.routes import Conn
 from stepwatch_server.storage.models import Anomaly as AnomalyRow
 from stepwatch_server.storage.models import Rank, Run
 
 router = APIRouter(prefix="/api/v1", tags=["detection"])
 
 STATUSES = ("open", "resolved")
-VERDICTS = ("ok", "warning", "critical")
 MAX_ANOMALIES = 10_000
 DEFAULT_ANOMALIES = 1000
 
@@ -134,11 +134,6 @@ def all_anomalies(
     status, kind = _choice("status", status, STATUSES), _choice("kind", kind, KINDS)
     rows = conn.execute(_select(None, status, kind, limit, reader.runs_clause(Run.name))).all()
     return json_response({"anomalies": [_shape(r, r.run_name) for r in rows]})
-
-
-def verdict(severities: list[str]) -> str:
-    worst = max((SEVERITIES.index(s) for s in severities if s in SEVERITIES), default=0)
-    return VERDICTS[worst]  # info -> ok, warning -> warning, critical -> critical
 
 
 def _reason(row: Any) -> dict[str, Any]:

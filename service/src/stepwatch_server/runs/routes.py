@@ -7,20 +7,20 @@ Non-finite values are written as "NaN", "Infinity" and "-Infinity", as in the in
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Annotated, Any
 
 import numpy as np
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query
 from sqlalchemy import Connection
 from starlette.responses import Response
 
 from stepwatch_server.auth import ReadAccess
 from stepwatch_server.errors import RUN_NOT_FOUND, InvalidParameter, NotFound
-from stepwatch_server.ingest.schema import EVENT_KINDS, MAX_STEP, MAX_WORLD_SIZE
+from stepwatch_server.ingest.schema import EVENT_KINDS, MAX_WORLD_SIZE
+from stepwatch_server.params import Conn, FromStep, MaxPoints, ToStep
 from stepwatch_server.responses import float_list, json_response
 from stepwatch_server.runs import answers, queries, rank_rollups, step_rollups
-from stepwatch_server.runs.downsample import DEFAULT_MAX_POINTS, MAX_POINTS_CAP, downsample
+from stepwatch_server.runs.downsample import DEFAULT_MAX_POINTS, downsample
 from stepwatch_server.storage.models import METRIC_STAT
 
 router = APIRouter(prefix="/api/v1", tags=["runs"])
@@ -28,15 +28,6 @@ router = APIRouter(prefix="/api/v1", tags=["runs"])
 MAX_EVENTS = 10_000
 
 
-def connection(request: Request) -> Iterator[Connection]:
-    with request.app.state.engine.connect() as conn:
-        yield conn
-
-
-Conn = Annotated[Connection, Depends(connection)]
-FromStep = Annotated[int | None, Query(ge=0, le=MAX_STEP, description="first step (inclusive)")]
-ToStep = Annotated[int | None, Query(ge=0, le=MAX_STEP, description="last step (inclusive)")]
-MaxPoints = Annotated[int, Query(ge=2, le=MAX_POINTS_CAP, description="per series; min-max downsampling")]
 RankNumber = Annotated[int | None, Query(ge=0, lt=MAX_WORLD_SIZE, description="one rank")]
 _RANK_DIGITS = "[0-9]{1,6}"  # a rank is below MAX_WORLD_SIZE (131,072)
 RankParam = Annotated[
