@@ -277,7 +277,10 @@ def test_rank_state_moves_forward_only_and_a_late_batch_of_an_older_incarnation_
     run, old, new = f"state-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex, uuid.uuid4().hex
 
     def post(session: str, seq: int, steps: list[int], **fields: Any) -> None:
-        doc = {**steps_batch(run, session, seq, steps, rank=1, world_size=4, loss=[1.0] * len(steps)), **fields}
+        doc = {
+            **steps_batch(run, session, seq, steps, rank=1, world_size=4, loss=[1.0] * len(steps)),
+            **fields,
+        }
         assert collector.post(doc).status_code == 200
 
     def state() -> dict[str, Any]:
@@ -287,7 +290,12 @@ def test_rank_state_moves_forward_only_and_a_late_batch_of_an_older_incarnation_
     hb = {"ts": 1_764_427_300.0, "phase": "forward", "last_step": 20}
     post(old, 0, [10, 20], node="n1", heartbeat=hb, agent={"version": "1.0", "counters": {"sent": 2}})
     first = state()
-    assert (first["incarnation"], first["last_step"], first["node"], first["phase"]) == (1, 20, "n1", "forward")
+    assert (first["incarnation"], first["last_step"], first["node"], first["phase"]) == (
+        1,
+        20,
+        "n1",
+        "forward",
+    )
     post(old, 1, [5], heartbeat={**hb, "ts": hb["ts"] - 10, "phase": "data", "last_step": 5})  # out of order
     kept = state()
     assert (kept["last_step"], kept["phase"]) == (20, "forward")
