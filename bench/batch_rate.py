@@ -8,8 +8,10 @@ modules on every 10th step, gzip JSON as the agent sends it, built before the cl
 sends every rank's first batch (run, sessions, ranks and names are created); then each round sends
 `--batches-per-rank` more per rank from `--senders` threads on keep-alive connections, as fast as the
 answers come back (a closed loop: what the collector holds, not an open-loop arrival rate). Reported per
-round: batches/s (acknowledged / wall time) and the answers' latency p50 and p99; per collector the
-medians over rounds.
+round: batches/s (acknowledged / wall time), the answers' latency p50 and p99, and the collector process's
+own CPU time per batch (all its threads, from /proc: the rollup and detection workers included), whose
+inverse is the batches one core of it takes per second whatever the load generator, which shares the
+machine's cores, costs; per collector the medians over rounds.
 
 With `--ref REF` a second collector runs that commit's code (a detached worktree under /tmp,
 bench/_refs.py) on its own database, and the rounds alternate between the two, so both are measured
@@ -26,6 +28,7 @@ import contextlib
 import gzip
 import http.client
 import json
+import os
 import random
 import statistics
 import sys
@@ -105,11 +108,18 @@ def send_all(url: str, bodies: list[bytes], senders: int) -> tuple[float, list[f
     return wall, latencies
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far, all its threads (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Target:
     """One collector under test and its run's next batches."""
 
-    def __init__(self, name: str, url: str, ranks: int) -> None:
-        self.name, self.url, self.ranks = name, url, ranks
+    def __init__(self, name: str, url: str, pid: int, ranks: int) -> None:
+        self.name, self.url, self.pid, self.ranks = name, url, pid, ranks
         self.run = f"rate-{uuid.uuid4().hex[:8]}"
         self.sessions = [uuid.uuid4().hex for _ in range(ranks)]
         self.seq = 0
@@ -126,8 +136,8 @@ class Target:
 
 
 @contextlib.contextmanager
-def collectors(backend: str, ref: str | None, tmp: Path) -> Iterator[list[tuple[str, str]]]:
-    """(name, url) of this tree's collector and, with `ref`, that commit's, each on its own database."""
+def collectors(backend: str, ref: str | None, tmp: Path) -> Iterator[list[tuple[str, str, int]]]:
+    """(name, url, pid) of this tree's collector and, with `ref`, that commit's, each on its own database."""
     with contextlib.ExitStack() as stack:
         found = []
         for name, source in [("this tree", None)] + ([(ref, _refs.worktree(ref))] if ref else []):
@@ -137,7 +147,7 @@ def collectors(backend: str, ref: str | None, tmp: Path) -> Iterator[list[tuple[
             )
             log = tmp / f"collector-{len(found)}.log"
             served = stack.enter_context(_servers.collector(db, log_path=log, source=source))
-            found.append((label, served.url))
+            found.append((label, served.url, served.process.pid))
         yield found
 
 
@@ -156,23 +166,28 @@ def main() -> None:
     results: dict[str, Any] = {"args": vars(a) | {"json": str(a.json) if a.json else None}, "backends": {}}
     for backend in a.backends.split(","):
         with tempfile.TemporaryDirectory() as tmpdir, collectors(backend, a.ref, Path(tmpdir)) as found:
-            targets = [Target(name, url, a.ranks) for name, url in found]
+            targets = [Target(name, url, pid, a.ranks) for name, url, pid in found]
             for t in targets:  # warm-up: every rank's first batch creates its session, rank and names
                 send_all(t.url, t.bodies(1), a.senders)
             for r in range(a.rounds):
                 for t in targets[r % len(targets) :] + targets[: r % len(targets)]:  # who goes first rotates
                     bodies = t.bodies(a.batches_per_rank)
+                    cpu_before = cpu_s(t.pid)
                     wall, lat = send_all(t.url, bodies, a.senders)
+                    cpu_ms = 1e3 * (cpu_s(t.pid) - cpu_before) / len(bodies)
                     lat.sort()
                     row = {
                         "batches_per_s": len(bodies) / wall,
                         "p50_ms": 1e3 * lat[len(lat) // 2],
                         "p99_ms": 1e3 * lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+                        "cpu_ms_per_batch": cpu_ms,
+                        "batches_per_core_s": 1e3 / cpu_ms if cpu_ms > 0 else float("inf"),
                     }
                     t.rounds.append(row)
                     print(
                         f"{backend:8s} {t.name:12s} round {r + 1}: {row['batches_per_s']:7.0f} batches/s, "
-                        f"p50 {row['p50_ms']:6.1f} ms, p99 {row['p99_ms']:6.1f} ms",
+                        f"p50 {row['p50_ms']:6.1f} ms, p99 {row['p99_ms']:6.1f} ms, "
+                        f"collector CPU {cpu_ms:.2f} ms a batch ({row['batches_per_core_s']:.0f} per core-second)",
                         flush=True,
                     )
             summary = {}
@@ -181,7 +196,8 @@ def main() -> None:
                 summary[t.name] = {"median": med, "rounds": t.rounds}
                 print(
                     f"{backend:8s} {t.name:12s} median: {med['batches_per_s']:7.0f} batches/s, "
-                    f"p50 {med['p50_ms']:6.1f} ms, p99 {med['p99_ms']:6.1f} ms"
+                    f"p50 {med['p50_ms']:6.1f} ms, p99 {med['p99_ms']:6.1f} ms, "
+                    f"collector CPU {med['cpu_ms_per_batch']:.2f} ms a batch ({med['batches_per_core_s']:.0f} per core-second)"
                 )
             if len(targets) == 2:
                 ratio = (
