@@ -27,6 +27,7 @@ from starlette.responses import Response
 from stepwatch_server import auth
 from stepwatch_server.alerts.routes import router as alerts_router
 from stepwatch_server.alerts.worker import AlertWorker
+from stepwatch_server.background import BackgroundWorker
 from stepwatch_server.dashboard.routes import router as dashboard_router
 from stepwatch_server.detect.engine import EngineSettings
 from stepwatch_server.detect.routes import router as detect_router
@@ -59,6 +60,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = make_engine(settings.database_url)
+        started: list[BackgroundWorker] = []  # stopped in the reverse order, each by its deadline
         try:
             if settings.run_migrations:
                 await run_in_threadpool(upgrade, engine)
@@ -66,16 +68,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.writer = BatchWriter(engine)
             if settings.alerts is not None:
                 app.state.alerts = AlertWorker(engine, settings.alerts).start()
+                started.append(app.state.alerts)
                 if not settings.detection:
                     log.warning("alerts are configured but detection is off: nothing will be alerted")
             app.state.live = live.LiveFeed(engine, app.state.stopping)
             app.state.rollups = RollupWorker(engine).start()
+            started.append(app.state.rollups)
             if settings.detection:
                 overrides = settings.detection_overrides
                 on_stored = app.state.alerts.on_stored if app.state.alerts is not None else None
                 app.state.detection = DetectionWorker(
                     engine, EngineSettings(overrides=overrides), on_stored=on_stored
                 ).start()
+                started.append(app.state.detection)
             log.info(
                 "stepwatch collector ready (database %s, detection %s)",
                 engine.url.render_as_string(hide_password=True),
@@ -85,20 +90,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             (log.warning if policy.weak else log.info)("access: %s", policy.describe())
             yield
         finally:
-            feed = getattr(app.state, "live", None)
-            if feed is not None:
-                await feed.close()
-            worker = getattr(app.state, "detection", None)
-            if worker is not None:
+            if app.state.live is not None:
+                await app.state.live.close()
+            app.state.detection = app.state.alerts = app.state.rollups = None  # ingest hands nothing on now
+            for worker in reversed(started):
                 await run_in_threadpool(worker.stop)
-                app.state.detection = None
-            if app.state.alerts is not None:
-                await run_in_threadpool(app.state.alerts.stop)
-                app.state.alerts = None
-            rollup_worker = getattr(app.state, "rollups", None)
-            if rollup_worker is not None:
-                await run_in_threadpool(rollup_worker.stop)
-                app.state.rollups = None
             engine.dispose()
 
     app = FastAPI(
@@ -129,6 +125,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.detection = None
     app.state.alerts = None
     app.state.rollups = None
+    app.state.live = None
     app.state.stopping = threading.Event()  # set by serving.py as shutdown begins: endless responses end
     app.state.policy = auth.Policy.from_settings(settings)
     install_error_handlers(app)

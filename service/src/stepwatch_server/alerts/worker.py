@@ -15,7 +15,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import datetime as dt
 import logging
-import threading
 from typing import Any
 
 from sqlalchemy import Connection, Engine
@@ -27,29 +26,26 @@ from stepwatch_server.alerts.grouping import compose
 from stepwatch_server.alerts.outbox import Claimed, claim, finish
 from stepwatch_server.alerts.ratelimit import RateLimiter
 from stepwatch_server.alerts.transport import Result, post
+from stepwatch_server.background import BackgroundWorker
 from stepwatch_server.detect.store import Stored
 
 log = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.25
 MAX_PARALLEL_SENDS = 8
-STOP_DEADLINE_S = 5.0
 
 
-class AlertWorker:
+class AlertWorker(BackgroundWorker):
+    label = "alerts"
+    error_pause_s = 1.0  # the outbox keeps what was not done; the round is tried again after this
+
     def __init__(self, engine: Engine, config: AlertsConfig) -> None:
+        super().__init__()
         self.db = engine
         self.config = config
         self.limiter = RateLimiter({name: ch.max_per_minute for name, ch in config.channels.items()})
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
         self._pool = cf.ThreadPoolExecutor(MAX_PARALLEL_SENDS, thread_name_prefix="stepwatch-alert-send")
         self._in_flight: dict[cf.Future[Result], Claimed] = {}
-        self._deadline_s = STOP_DEADLINE_S
-        self._lock = threading.Lock()
-        self.errors = 0
-        self._warned = False
 
     # -- the detection side: runs in the anomalies' transaction ------------------------------------
     def on_stored(self, conn: Connection, stored: list[Stored]) -> None:
@@ -65,17 +61,10 @@ class AlertWorker:
             len(self.config.routes),
             self.config.source,
         )
-        self._thread = threading.Thread(target=self._run, name="stepwatch-alerts", daemon=True)
-        self._thread.start()
-        return self
+        return super().start()
 
-    def stop(self, deadline_s: float = STOP_DEADLINE_S) -> None:
-        """Stop claiming; wait up to `deadline_s` for the sends in flight and record them."""
-        self._deadline_s = deadline_s
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(deadline_s + 2.0)
+    def _stopped(self) -> None:
+        """Claiming stopped and the sends in flight were waited for (the deadline) and recorded."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._in_flight:
             log.warning(
@@ -120,20 +109,6 @@ class AlertWorker:
                 self.limiter.refund(c.channel, c.claimed_at)  # it never reached the channel
         if results:
             self._guard("record", finish, self.db, self.config, results, _now())
-
-    def _guard(self, what: str, fn: Any, *args: Any) -> Any:
-        """One step of the worker; an internal error (e.g. the database is down) is logged once,
-        counted, and the round is tried again later: the outbox keeps what was not done."""
-        try:
-            return fn(*args)
-        except Exception:
-            with self._lock:
-                self.errors += 1
-                first, self._warned = not self._warned, True
-            if first:
-                log.exception("alerts: %s failed (further failures are counted, not logged)", what)
-            self._stop.wait(1.0)
-            return None
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

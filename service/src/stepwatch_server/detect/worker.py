@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Engine
 
+from stepwatch_server.background import BackgroundWorker
 from stepwatch_server.detect.anomalies import Anomaly
 from stepwatch_server.detect.engine import DetectionEngine, EngineSettings
 from stepwatch_server.detect.store import StoredHook, load_open, save_anomalies
@@ -45,55 +46,43 @@ MAX_BATCHES_PER_ROUND = 512  # batches fed between two writes (one transaction p
 TICK_INTERVAL_S = 1.0  # engine.tick when idle this long
 LAG_WINDOW = 10_000  # recent per-batch latencies kept for the percentiles
 MAX_UNSAVED_ANOMALIES = 10_000  # changes kept for the next round while the database is failing
-STOP_DEADLINE_S = 5.0
 SAVE_RETRY_S = 1.0  # after a failed write, the next attempt waits this long
 
 
-class DetectionWorker:
+class DetectionWorker(BackgroundWorker):
     """One engine, one bounded queue, one thread. `submit` is safe from any thread and never blocks."""
+
+    label = "detection"
+    join_slack_s = TICK_INTERVAL_S + 1.0  # beyond the deadline: the wait in progress, the last write
 
     def __init__(
         self, engine: Engine, settings: EngineSettings | None = None, on_stored: StoredHook | None = None
     ) -> None:
+        super().__init__()
         self.db = engine
         self._on_stored = on_stored  # called in each write's transaction (detect/store.py)
         self.engine = DetectionEngine(settings)
         self._queue: queue.Queue[tuple[Batch, float]] = queue.Queue()  # bounded by the slots
         self._slots = threading.Semaphore(MAX_QUEUED_BATCHES)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
         self._lag_s: collections.deque[float] = collections.deque(maxlen=LAG_WINDOW)
         self._unsaved: dict[int, Anomaly] = {}
         self.submitted = 0
         self.processed = 0
         self.dropped = 0
         self.dropped_unsaved = 0
-        self.errors = 0
         self.saved = 0
         self.adopted = 0
         self._warned_full = False
-        self._warned_error = False
-        self._deadline_s = STOP_DEADLINE_S
 
     # -- life cycle -----------------------------------------------------------------------------
-    def start(self) -> DetectionWorker:
-        self._thread = threading.Thread(target=self._run, name="stepwatch-detection", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self, deadline_s: float = STOP_DEADLINE_S) -> None:
-        """Process what is queued for at most `deadline_s`, store it, and stop the thread."""
-        self._deadline_s = deadline_s
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(deadline_s + TICK_INTERVAL_S + 1.0)  # + the wait in progress, the last write
-            if self._thread.is_alive():
-                log.warning(
-                    "detection: stopped with %d batches not processed after %.1f s",
-                    self._queue.qsize(),
-                    deadline_s,
-                )
+    def _stopped(self) -> None:
+        """What was queued is processed within the deadline; say what was not."""
+        if self._thread is not None and self._thread.is_alive():
+            log.warning(
+                "detection: stopped with %d batches not processed after %.1f s",
+                self._queue.qsize(),
+                self._deadline_s,
+            )
 
     # -- the ingest side ------------------------------------------------------------------------
     def reserve(self) -> bool:
@@ -195,19 +184,6 @@ class DetectionWorker:
             self.adopted += len(run.anomalies)
         if self.adopted:
             log.info("detection: continuing %d open anomalies of %d runs", self.adopted, len(runs))
-
-    def _guard(self, what: str, fn: Any, *args: Any) -> Any:
-        """Run one step of the worker; an internal error is logged (fully the first time), counted,
-        and the worker goes on with the next batch."""
-        try:
-            return fn(*args)
-        except Exception:
-            with self._lock:
-                self.errors += 1
-                first, self._warned_error = not self._warned_error, True
-            if first:
-                log.exception("detection: %s failed (further failures are counted, not logged)", what)
-            return None
 
     # -- observation ----------------------------------------------------------------------------
     def idle(self) -> bool:

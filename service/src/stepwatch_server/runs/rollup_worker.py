@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from dataclasses import dataclass
 
 from sqlalchemy import Engine, select
 from sqlalchemy.exc import DBAPIError
 
+from stepwatch_server.background import BackgroundWorker
 from stepwatch_server.metrics import rollup_failed, rollup_skipped
 from stepwatch_server.runs import rollups
 from stepwatch_server.storage.engine import write_transaction
@@ -52,7 +52,6 @@ QUIET_S = 0.5  # a run's range is rolled up once no batch widened it for this lo
 MAX_LAG_S = 3.0  # ... or once it has been dirty this long
 MAX_VALUES_PER_ROUND = 2_000_000  # per run and round: about the most values one roll-up reads ...
 MAX_VALUES_PER_TRANSACTION = 200_000  # ... in transactions of about this many (groups of its series)
-STOP_DEADLINE_S = 5.0
 BACKLOG_PAUSE_S = 0.02  # between the slices of a long range, so ingest's writes get the lock
 RETRY_FIRST_S = 1.0  # a run whose roll-up failed waits this long, doubled per failure ...
 RETRY_MAX_S = 60.0  # ... up to this
@@ -78,8 +77,11 @@ class _Trouble:
     retry_at: float  # monotonic time of the next try
 
 
-class RollupWorker:
+class RollupWorker(BackgroundWorker):
     """Dirty step ranges per run in, rollups recomputed on one thread. `submit` never blocks."""
+
+    label = "rollups"
+    join_slack_s = ROUND_INTERVAL_S + 1.0  # beyond the deadline: the round in progress
 
     def __init__(
         self,
@@ -88,6 +90,7 @@ class RollupWorker:
         max_values_per_transaction: int = MAX_VALUES_PER_TRANSACTION,
         retry_first_s: float = RETRY_FIRST_S,
     ) -> None:
+        super().__init__()
         self.db = engine
         self.max_values_per_round = max_values_per_round
         self.max_values_per_transaction = max_values_per_transaction
@@ -95,40 +98,18 @@ class RollupWorker:
         self._dirty: dict[int, _Dirty] = {}  # run id -> its steps not rolled up yet
         self._trouble: dict[int, _Trouble] = {}  # run id -> its failing range (the thread's own)
         self._force = False  # the next round takes every dirty range (wait_idle, stop)
-        self._lock = threading.Lock()
-        self._wake = threading.Event()  # a round is due now (stop, flush)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._rounds_done = 0
         self._busy = False
-        self._deadline_s = STOP_DEADLINE_S
         self.rolled_ranges = 0
-        self.errors = 0
         self.skipped_ranges = 0
-        self._warned = False
 
     # -- life cycle -----------------------------------------------------------------------------
-    def start(self) -> RollupWorker:
-        self._thread = threading.Thread(target=self._run, name="stepwatch-rollups", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self, deadline_s: float = STOP_DEADLINE_S) -> None:
-        """Roll up what is dirty for at most `deadline_s`, then stop the thread."""
-        self._deadline_s = deadline_s
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(deadline_s + ROUND_INTERVAL_S + 1.0)
-            if self._thread.is_alive() or self._dirty:
-                log.warning(
-                    "rollups: stopped with %d runs not rolled up (reads use their raw points)",
-                    len(self._dirty),
-                )
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+    def _stopped(self) -> None:
+        """What was dirty is rolled up within the deadline (the last round); say what was not."""
+        if self._thread is not None and (self._thread.is_alive() or self._dirty):
+            log.warning(
+                "rollups: stopped with %d runs not rolled up (reads use their raw points)", len(self._dirty)
+            )
 
     # -- the ingest side ------------------------------------------------------------------------
     def submit(self, run_id: int, first_step: int, last_step: int) -> None:
@@ -239,8 +220,8 @@ class RollupWorker:
         last step given up, or first - 1 (still dirty)."""
         self.errors += 1
         rollup_failed()
-        if not self._warned:
-            self._warned = True
+        if not self._warned_error:
+            self._warned_error = True
             log.warning(
                 "rollups: run %d failed to roll up (%s); retried with backoff, skipped after %d failures "
                 "in a row (further failures counted)",
