@@ -80,3 +80,23 @@ def test_concurrent_batches_and_their_retries_are_stored_once_each_answered_trut
     assert last == {rank: 2 * ROUNDS + 2 for rank in range(RANKS)}
     groups, written = writer.group_sizes
     assert written == RANKS + 2 * RANKS * ROUNDS and groups < written, (groups, written)
+
+
+def test_bodies_that_wait_together_are_answered_each_on_its_own(collector: Any) -> None:
+    """Over HTTP, small bodies go to ingest's writing thread (ingest/pipeline.py), which takes every one
+    that waits: sent at once, a bad body (not JSON), a refused one (a session of another rank) and good
+    ones each get their own answer, and only the good ones are stored."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    sessions = [uuid.uuid4().hex for _ in range(RANKS)]
+    for rank, session in enumerate(sessions):
+        assert collector.post(_doc(session, rank, 0)).status_code == 200
+    good = [_doc(sessions[r], r, 1) for r in range(RANKS)]
+    thief = _doc(sessions[0], 1, 2)  # rank 1 with rank 0's session
+    with ThreadPoolExecutor(RANKS + 2) as pool:
+        answers = list(pool.map(collector.post, [*good, thief, b"{not json"]))
+    assert [a.status_code for a in answers] == [200] * RANKS + [422, 400]
+    assert answers[RANKS].json()["error"]["field"] == "session"
+    assert all(a.json()["rows"] == 2 * len(NAMES) for a in answers[:RANKS])
+    stored = collector.counts()
+    assert stored["points"] == 2 * RANKS * 2 * len(NAMES)

@@ -135,7 +135,7 @@ def test_large_batches_of_known_names_store_the_same_rows_built_before_the_trans
         for w, session, seq, step0, known in plan:
             doc, expected = wide(session, seq, list(range(step0, step0 + 5)))
             batch = parse_batch(doc)
-            assert (w._prebuild(batch) is not None) == known
+            assert (w.prebuild(batch) is not None) == known
             result = w.write(batch)
             assert result.rows == len(expected) >= PREBUILD_MIN_ROWS
             stored.update({(n, s, result.incarnation): v for (n, s), v in expected.items()})

@@ -33,6 +33,7 @@ from stepwatch_server.detect.engine import EngineSettings
 from stepwatch_server.detect.routes import router as detect_router
 from stepwatch_server.detect.worker import DetectionWorker
 from stepwatch_server.errors import COMMON_ERRORS, ServiceUnavailable, install_error_handlers
+from stepwatch_server.ingest.pipeline import IngestPipeline
 from stepwatch_server.ingest.routes import router as ingest_router
 from stepwatch_server.ingest.store import BatchWriter
 from stepwatch_server.metrics import router as metrics_router
@@ -66,6 +67,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await run_in_threadpool(upgrade, engine)
             app.state.engine = engine
             app.state.writer = BatchWriter(engine)
+            app.state.ingest = IngestPipeline(app.state.writer).start()
             if settings.alerts is not None:
                 app.state.alerts = AlertWorker(engine, settings.alerts).start()
                 started.append(app.state.alerts)
@@ -92,6 +94,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             if app.state.live is not None:
                 await app.state.live.close()
+            if app.state.ingest is not None:  # no request left (uvicorn waited for them): nothing queued
+                await run_in_threadpool(app.state.ingest.stop)
             app.state.detection = app.state.alerts = app.state.rollups = None  # ingest hands nothing on now
             for worker in reversed(started):
                 await run_in_threadpool(worker.stop)
@@ -126,6 +130,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.alerts = None
     app.state.rollups = None
     app.state.live = None
+    app.state.ingest = None
     app.state.stopping = threading.Event()  # set by serving.py as shutdown begins: endless responses end
     app.state.policy = auth.Policy.from_settings(settings)
     install_error_handlers(app)

@@ -2,7 +2,8 @@
 
 The event loop only checks the token (auth/access.py: 401 before the body is read) and streams the
 body in under the size limit; decompression, parsing, validation, the check that the token writes the
-batch's run (403) and the database transaction run in the thread pool. The answer is sent after
+batch's run (403) and the database transaction run on ingest's writing thread (ingest/pipeline.py),
+with the other bodies that wait; a body over PIPELINE_MAX_BYTES on a thread of the pool of its own. The answer is sent after
 the commit; `_after_commit()` is the single point where stored batches leave ingest (the bus that
 feeds the detectors hooks in there).
 """
@@ -38,6 +39,10 @@ from stepwatch_server.responses import json_response
 from stepwatch_server.settings import Settings
 
 router = APIRouter(prefix="/api/v1", tags=["ingest"])
+# Bodies up to this size (on the wire) go to ingest's writing thread (ingest/pipeline.py); bigger ones
+# (wide batches: thousands of names) are decoded, validated and written on a thread of their own, as a
+# group of one, so that the small batches of other runs never wait for their decoding.
+PIPELINE_MAX_BYTES = 64 * 1024
 
 
 class IngestAnswer(BaseModel):
@@ -148,15 +153,16 @@ async def ingest(request: Request) -> Response:
             f"detection is {MAX_QUEUED_BATCHES:,} batches behind: nothing was stored; send this batch again "
             f"after {DetectionBehind.retry_after_s} s (the agent backs off and spools it)"
         )
+    encoding = request.headers.get("content-encoding")
     try:
-        batch, result = await run_in_threadpool(
-            _ingest_sync,
-            request.app.state.writer,
-            grant,
-            raw,
-            request.headers.get("content-encoding"),
-            settings.max_batch_bytes,
-        )
+        if len(raw) <= PIPELINE_MAX_BYTES:  # the agent's batches: with the others that wait, on one thread
+            batch, result = await request.app.state.ingest.ingest(
+                raw, encoding, settings.max_batch_bytes, grant
+            )
+        else:  # a wide body decodes and validates on its own thread: small ones never queue behind that
+            batch, result = await run_in_threadpool(
+                _ingest_sync, request.app.state.writer, grant, raw, encoding, settings.max_batch_bytes
+            )
     except BaseException:
         if worker is not None:
             worker.release()

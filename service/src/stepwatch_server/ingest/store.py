@@ -17,7 +17,7 @@ alone (`_write_one`). Each caller is answered after the commit of the transactio
 
 The transaction is kept to the writing itself, because on SQLite every other writer waits while one
 holds the write lock: parsing and validation run before it, a large batch's rows are built before it
-when its names are known (`_prebuild`), a run's names are read in one query, and a run has at most
+when its names are known (`prebuild`), a run's names are read in one query, and a run has at most
 MAX_SERIES_PER_RUN names, so a batch can never make the transaction create more. A batch is never
 split into several transactions: one that fails half-way (database down, disk full) must leave
 nothing behind.
@@ -346,7 +346,7 @@ def _point_rows(batch: Batch, series_ids: Mapping[tuple[str, str], int], incarna
 
 @dataclass(frozen=True, slots=True)
 class _Prebuilt:
-    """Value rows built before the transaction, for this run id and incarnation (BatchWriter._prebuild)."""
+    """Value rows built before the transaction, for this run id and incarnation (BatchWriter.prebuild)."""
 
     run_id: int
     incarnation: int
@@ -443,7 +443,7 @@ def _new_rank(p: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass(slots=True)
-class _Pending:
+class Pending:
     """A batch waiting for its group's transaction, and what came of it."""
 
     batch: Batch
@@ -470,12 +470,13 @@ class _Group:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._waiting: list[_Pending] = []
+        self._waiting: list[Pending] = []
         self._busy = False
         self.groups = 0  # groups written, and the batches in them: their ratio is the mean group size
         self.batches = 0
+        self.count_lock = self._lock
 
-    def run(self, pending: _Pending, write: Callable[[list[_Pending]], None]) -> None:
+    def run(self, pending: Pending, write: Callable[[list[Pending]], None]) -> None:
         with self._lock:
             self._waiting.append(pending)
             if not self._busy:
@@ -486,7 +487,7 @@ class _Group:
                 pending.wake.clear()
                 continue
             with self._lock:
-                group: list[_Pending] = []
+                group: list[Pending] = []
                 values = 0
                 while self._waiting and len(group) < MAX_GROUP_BATCHES:
                     rows = self._waiting[0].batch.value_rows()
@@ -544,12 +545,30 @@ class BatchWriter:
         transaction (group commit, `_Group`): each in its own savepoint, so that one refused batch
         leaves the others' rows in place, and each caller answered only after that commit.
         """
-        pending = _Pending(batch, self._prebuild(batch))
+        pending = Pending(batch, self.prebuild(batch))
         self._group.run(pending, self._write_group)
         if pending.error is not None:
             raise pending.error
         assert pending.result is not None
         return pending.result
+
+    def write_group(self, group: list[Pending]) -> None:
+        """Store the batches of `group` (validated, waiting together), each getting its result or its
+        error: in transactions of at most MAX_GROUP_BATCHES batches and MAX_GROUP_VALUES values
+        (ingest/pipeline.py hands every body that waits here)."""
+        part: list[Pending] = []
+        values = 0
+        for item in [*group, None]:
+            rows = 0 if item is None else item.batch.value_rows()
+            if part and (item is None or len(part) == MAX_GROUP_BATCHES or values + rows > MAX_GROUP_VALUES):
+                with self._group.count_lock:
+                    self._group.groups += 1
+                    self._group.batches += len(part)
+                self._write_group(part)
+                part, values = [], 0
+            if item is not None:
+                part.append(item)
+                values += rows
 
     @property
     def group_sizes(self) -> tuple[int, int]:
@@ -581,12 +600,12 @@ class BatchWriter:
             return result
         raise AssertionError("unreachable")
 
-    def _write_group(self, group: list[_Pending]) -> None:
+    def _write_group(self, group: list[Pending]) -> None:
         """The batches of `group` whose run, session and names are known (the steady state) in one
         transaction of bulk statements (`_write_known`); the others one by one (`_write_one`: they
         create rows, read what they need, and may race other first batches)."""
-        known: list[tuple[_Pending, tuple[int, int, dict[tuple[str, str], int]]]] = []
-        unknown: list[_Pending] = []
+        known: list[tuple[Pending, tuple[int, int, dict[tuple[str, str], int]]]] = []
+        unknown: list[Pending] = []
         for item in group:
             found = self._known(item.batch)
             if found is None:
@@ -627,7 +646,7 @@ class BatchWriter:
                     self._sessions.popitem(last=False)
 
     def _write_known(
-        self, entries: list[tuple[_Pending, tuple[int, int, dict[tuple[str, str], int]]]]
+        self, entries: list[tuple[Pending, tuple[int, int, dict[tuple[str, str], int]]]]
     ) -> None:
         """Batches of known runs, sessions and names in ONE transaction: one multi-row INSERT of their
         idempotency records (RETURNING those that were new: the others are duplicates), one INSERT of
@@ -635,7 +654,7 @@ class BatchWriter:
         rank UPDATE, and the run rows that are due a touch. Should it fail for any reason but the
         database's (a 503 for all), each batch is written again alone, so that only a bad one fails."""
         now, mono = _utcnow(), time.monotonic()
-        first: dict[tuple[str, int], _Pending] = {}
+        first: dict[tuple[str, int], Pending] = {}
         for item, _ in entries:
             first.setdefault((item.batch.session, item.batch.seq), item)
         touch: dict[int, int] = {}
@@ -702,7 +721,7 @@ class BatchWriter:
                 )
             self._remember(item.batch, item.result, mono if run_id in touch else None)
 
-    def _prebuild(self, batch: Batch) -> _Prebuilt | None:
+    def prebuild(self, batch: Batch) -> _Prebuilt | None:
         """A large batch's value rows, built before the write transaction from reads alone, when its run,
         its incarnation and every one of its names are known already (the steady state of a wide run):
         on SQLite every other writer waits while a transaction holds the write lock, and building a
