@@ -71,12 +71,10 @@ class IngestPipeline(BackgroundWorker):
                 self._wake.clear()
                 continue
             group = self._take()
-            try:
-                self._round(group)
-            except Exception as exc:  # a bug of ours: every request of the round gets it (a 500)
-                self._guard("round", _raise, exc)
-                for request in group:
-                    request.loop.call_soon_threadsafe(_answer, request.future, None, exc)
+            if self._guard("round", self._round, group) is None:  # a bug of ours (logged): a 500 for each
+                failed = RuntimeError("ingest failed on this batch's round; the collector's log says why")
+                for request in group:  # an answer already on its way is sent first; this one is then dropped
+                    request.loop.call_soon_threadsafe(_answer, request.future, None, failed)
 
     def _take(self) -> list[_Request]:
         group: list[_Request] = []
@@ -84,7 +82,7 @@ class IngestPipeline(BackgroundWorker):
             group.append(self._waiting.popleft())
         return group
 
-    def _round(self, group: list[_Request]) -> None:
+    def _round(self, group: list[_Request]) -> bool:
         parsed: list[tuple[_Request, Pending]] = []
         for request in group:
             try:
@@ -98,7 +96,4 @@ class IngestPipeline(BackgroundWorker):
         for request, pending in parsed:
             value = (pending.batch, pending.result)
             request.loop.call_soon_threadsafe(_answer, request.future, value, pending.error)
-
-
-def _raise(exc: Exception) -> None:
-    raise exc
+        return True

@@ -472,9 +472,6 @@ class _Group:
         self._lock = threading.Lock()
         self._waiting: list[Pending] = []
         self._busy = False
-        self.groups = 0  # groups written, and the batches in them: their ratio is the mean group size
-        self.batches = 0
-        self.count_lock = self._lock
 
     def run(self, pending: Pending, write: Callable[[list[Pending]], None]) -> None:
         with self._lock:
@@ -486,17 +483,8 @@ class _Group:
                 pending.wake.wait()
                 pending.wake.clear()
                 continue
-            with self._lock:
-                group: list[Pending] = []
-                values = 0
-                while self._waiting and len(group) < MAX_GROUP_BATCHES:
-                    rows = self._waiting[0].batch.value_rows()
-                    if group and values + rows > MAX_GROUP_VALUES:
-                        break
-                    group.append(self._waiting.pop(0))
-                    values += rows
-                self.groups += 1
-                self.batches += len(group)
+            with self._lock:  # the writer splits what it is given into transactions of bounded size
+                group, self._waiting = self._waiting[:MAX_GROUP_BATCHES], self._waiting[MAX_GROUP_BATCHES:]
             try:
                 write(group)
             except BaseException as exc:
@@ -527,6 +515,9 @@ class BatchWriter:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._group = _Group()
+        self._counts_lock = threading.Lock()
+        self._groups = 0
+        self._grouped = 0
         # What committed batches made known, so that the steady state (every batch's run, session and
         # names stored before) is written in bulk with no read: run name -> (id, world size, when its
         # row was last touched, monotonic); session -> (run id, rank, incarnation), once its first step
@@ -546,7 +537,7 @@ class BatchWriter:
         leaves the others' rows in place, and each caller answered only after that commit.
         """
         pending = Pending(batch, self.prebuild(batch))
-        self._group.run(pending, self._write_group)
+        self._group.run(pending, self.write_group)
         if pending.error is not None:
             raise pending.error
         assert pending.result is not None
@@ -561,9 +552,9 @@ class BatchWriter:
         for item in [*group, None]:
             rows = 0 if item is None else item.batch.value_rows()
             if part and (item is None or len(part) == MAX_GROUP_BATCHES or values + rows > MAX_GROUP_VALUES):
-                with self._group.count_lock:
-                    self._group.groups += 1
-                    self._group.batches += len(part)
+                with self._counts_lock:
+                    self._groups += 1
+                    self._grouped += len(part)
                 self._write_group(part)
                 part, values = [], 0
             if item is not None:
@@ -572,8 +563,9 @@ class BatchWriter:
 
     @property
     def group_sizes(self) -> tuple[int, int]:
-        """(groups written, batches in them) since start."""
-        return self._group.groups, self._group.batches
+        """(transactions of groups written, batches in them) since start: their ratio is the mean group."""
+        with self._counts_lock:
+            return self._groups, self._grouped
 
     def _write_one(self, batch: Batch, prebuilt: _Prebuilt | None) -> IngestResult:
         """`batch` alone in its own transaction, retried when it lost a race on a unique key."""
