@@ -10,7 +10,7 @@ import pytest
 
 from stepwatch_server.detect import Anomaly, StepFrame
 from stepwatch_server.detect.context import RunContext
-from stepwatch_server.detect.detectors.loss_spike import LossSpikeDetector, global_grad_norm
+from stepwatch_server.detect.detectors.loss_spike import LossSpikeDetector, RobustWindow, global_grad_norm
 from stepwatch_server.simulate import SCENARIOS
 from tests.conftest import require
 from tests.detect.helpers import run_scenario, scenario
@@ -128,3 +128,35 @@ def test_the_corroborating_grad_norm_is_the_models_from_the_shards_sums_of_squar
     assert global_grad_norm(frame, num_shards=2) == pytest.approx(5.0)
     ddp = {"grad_norm": np.array([2.0, 2.0])}  # an older agent: no sums of squares
     assert global_grad_norm(StepFrame("r", 1, 1e9, np.ones(2, dtype=bool), ddp)) == 2.0
+
+
+class _AllocatedWhole(RobustWindow):
+    FIRST = 1 << 30  # the whole ring at once, as before it grew with its values
+
+
+@pytest.mark.parametrize(("size", "keep"), [(100, 1024), (128, 1024), (200, 0), (64, 0), (5, 0)])
+def test_a_window_that_grows_as_values_arrive_answers_as_one_allocated_whole(size: int, keep: int) -> None:
+    """The windows allocate as values arrive (issue 14: 1,024 values kept for a rewind in four windows
+    of every run, short or not); every answer must be the whole ring's, through wrap-around and rewinds."""
+    rng = np.random.default_rng(size + keep)
+    grown, whole = RobustWindow(size, keep), _AllocatedWhole(size, keep)
+    step = 0
+    for i in range(3 * (size + keep) + 7):
+        if i % 97 == 96:  # a resume from an earlier checkpoint
+            step = max(0, step - int(rng.integers(1, 2 * size)))
+            grown.rewind(step)
+            whole.rewind(step)
+        step += 1
+        value = float(rng.normal())
+        grown.push(value, step)
+        whole.push(value, step)
+        assert grown.full == whole.full
+        assert np.array_equal(grown.values(), whole.values(), equal_nan=True)
+        assert np.array_equal(grown.ordered(), whole.ordered(), equal_nan=True)
+        if grown.values().size >= 4:
+            assert grown.median_sd() == whole.median_sd()
+            assert grown.trend_next() == whole.trend_next()
+    fresh = RobustWindow(size, keep)
+    for i in range(10):
+        fresh.push(float(i), i)
+    assert fresh.buf.size == min(size + keep, RobustWindow.FIRST)  # a short run holds what it sent

@@ -6,10 +6,13 @@ step ranges; the aligner scatters each batch's columns into ring matrices (steps
 assignment per metric per batch) and emits a frame for step N, in step order, once every rank has
 reported it, or once event time (the newest timestamp seen from any rank, heartbeats included) has
 moved `grace_s` past the step's first report (a rank that died before sending its last steps), or
-when the ring is full. Memory is bounded: capacity x the ranks heard from per metric, never the
-declared world size: a rank's column is added on its first batch (columns double as ranks arrive),
-and a frame lays the columns out in the run's rows (`RunContext.ranks`: the ranks heard from, in
-rank order).
+when the ring is full. Memory is bounded by what was received, never by what was declared: the ring
+holds the steps in flight (it starts at `FIRST_RING_STEPS` and doubles when a rank runs further ahead
+of the oldest pending step, up to `RING_STEPS`), and a rank's column is added on its first batch
+(columns double as ranks arrive). A short run of 2 ranks in step with each other so holds ~16 steps x 2
+columns per metric, not 512 x 8 (1.3 MiB a run, kept for every one of the engine's last 1,000 runs).
+A frame lays the columns out in the run's rows (`RunContext.ranks`: the ranks heard from, in rank
+order).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import numpy as np
 
 from stepwatch_server.ingest.schema import Batch, BatchEvent
 
-RING_STEPS = 512  # steps in flight per run (a batch holds at most 1,000 steps: larger ones are split)
+RING_STEPS = 512  # steps in flight per run at most (a batch holds at most 1,000 steps: larger ones are split)
+FIRST_RING_STEPS = 16  # the ring's first size: doubled while a rank reports steps further ahead
 MAX_METRICS = 64  # distinct metric names aligned per run; further names are ignored by detection
 MAX_TENSOR_NAMES = 512  # distinct (stat, name) tensor series aligned per run
 
@@ -60,11 +64,15 @@ class Aligner:
         grace_s: float,
         capacity: int = RING_STEPS,
         rows: Callable[[], np.ndarray] | None = None,
+        first_capacity: int = FIRST_RING_STEPS,
     ) -> None:
         """`world_size` as declared says when a step is complete; `rows` gives the run's rows (sorted
         rank numbers, a superset of the ranks added) that frames are laid out in (default: the ranks
-        added)."""
-        self.run, self.world_size, self.grace_s, self.capacity = run, world_size, grace_s, capacity
+        added). The ring holds `first_capacity` steps at first and grows up to `capacity`; only a ring
+        of `capacity` steps emits a step before it is complete to make room."""
+        self.run, self.world_size, self.grace_s = run, world_size, grace_s
+        self.max_capacity = capacity
+        self.capacity = min(capacity, max(1, first_capacity))
         self._rows = rows
         # A column per rank heard from, in order of arrival; `_width` columns allocated.
         self._column: dict[int, int] = {}
@@ -73,13 +81,13 @@ class Aligner:
         # Every metric's ring in one array (metric x step slot x column): one scatter per batch, one copy
         # per frame, whatever the number of metrics.
         self._metric_index: dict[str, int] = {}
-        self._mring = np.full((0, capacity, 0), np.nan)
+        self._mring = np.full((0, self.capacity, 0), np.nan)
         self._tensors: dict[tuple[str, str], np.ndarray] = {}
-        self._count = np.zeros(capacity, dtype=np.int32)
-        self._present = np.zeros((capacity, 0), dtype=bool)
-        self._ts = np.full(capacity, -np.inf)
-        self._first_seen = np.full(capacity, np.inf)
-        self._has_tensors = np.zeros(capacity, dtype=bool)
+        self._count = np.zeros(self.capacity, dtype=np.int32)
+        self._present = np.zeros((self.capacity, 0), dtype=bool)
+        self._ts = np.full(self.capacity, -np.inf)
+        self._first_seen = np.full(self.capacity, np.inf)
+        self._has_tensors = np.zeros(self.capacity, dtype=bool)
         self._fingerprints: dict[int, dict[int, str]] = {}
         self._events: dict[int, list[tuple[int, BatchEvent]]] = {}
         self.next_step: int | None = None  # the next step to emit
@@ -112,7 +120,10 @@ class Aligner:
             return self._drain()
         assert self.next_step is not None
         frames: list[StepFrame] = []
-        # Make room: the newest step must fit in the ring behind next_step.
+        # Make room: the newest step must fit in the ring behind next_step (grown first, up to its most).
+        span = int(steps[-1]) - self.next_step + 1
+        if span > self.capacity < self.max_capacity:
+            self._grow(span)
         while int(steps[-1]) - self.next_step >= self.capacity:
             frames.append(self._emit())
         sel: np.ndarray | slice
@@ -171,6 +182,38 @@ class Aligner:
                     values = np.where(col.present[ok], values, np.nan)
                 ring[tslots, rank] = values
 
+    def _grow(self, span: int) -> None:
+        """Double the ring until it holds `span` steps (at most `max_capacity`), moving each pending step
+        from its slot (step mod the old size) to its new one."""
+        assert self.next_step is not None
+        old = self.capacity
+        new = old
+        while new < span and new < self.max_capacity:
+            new *= 2
+        new = min(new, self.max_capacity)
+        pending = self.next_step + np.arange(old)  # every step the old ring can hold, in its slot's order
+        src, dst = pending % old, pending % new
+
+        def moved(ring: np.ndarray, fill: float | bool, axis: int = 0) -> np.ndarray:
+            shape = list(ring.shape)
+            shape[axis] = new
+            out = np.full(shape, fill, dtype=ring.dtype)
+            index: list[slice | np.ndarray] = [slice(None)] * ring.ndim
+            index[axis] = dst
+            take: list[slice | np.ndarray] = [slice(None)] * ring.ndim
+            take[axis] = src
+            out[tuple(index)] = ring[tuple(take)]
+            return out
+
+        self._mring = moved(self._mring, np.nan, axis=1)
+        self._tensors = {key: moved(ring, np.nan) for key, ring in self._tensors.items()}
+        self._count = moved(self._count, 0)
+        self._present = moved(self._present, False)
+        self._ts = moved(self._ts, -np.inf)
+        self._first_seen = moved(self._first_seen, np.inf)
+        self._has_tensors = moved(self._has_tensors, False)
+        self.capacity = new
+
     def _metric_row(self, name: str) -> int:
         """The metric's row in the ring array (a new one for a new name), -1 beyond MAX_METRICS."""
         row = self._metric_index.get(name)
@@ -195,7 +238,7 @@ class Aligner:
             return col
         col = self._column[rank] = len(self._column)
         if col >= self._width:
-            grow = max(8, self._width)
+            grow = max(1, self._width)
             self._width += grow
             self._col_rank = np.concatenate([self._col_rank, np.full(grow, -1, dtype=np.int64)])
             self._mring = np.concatenate(

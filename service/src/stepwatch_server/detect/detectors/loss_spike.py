@@ -84,15 +84,25 @@ def global_grad_norm(frame: StepFrame, num_shards: int = 1) -> float:
 class RobustWindow:
     """A ring of the last `size` values with their median and robust spread (bounded state). With
     `keep` > 0 it also holds the `keep` values before those, with their steps, so that a run resumed
-    from an earlier checkpoint can `rewind` to the window it had at that step."""
+    from an earlier checkpoint can `rewind` to the window it had at that step. The ring is allocated
+    as values arrive (doubling up to `size + keep`), so that a short run holds what it sent, not the
+    1,024 values kept for a rewind (the engine keeps the state of up to 1,000 runs)."""
+
+    FIRST = 64  # values allocated at first
 
     def __init__(self, size: int, keep: int = 0) -> None:
         self.size = size
-        self.buf = np.full(size + keep, np.nan)
-        self.steps = np.full(size + keep, -1, dtype=np.int64)
+        self.capacity = size + keep
+        first = min(self.capacity, self.FIRST)
+        self.buf = np.full(first, np.nan)
+        self.steps = np.full(first, -1, dtype=np.int64)
         self.n = 0  # values pushed in total
 
     def push(self, value: float, step: int = -1) -> None:
+        if self.n == self.buf.size < self.capacity:  # never wrapped yet: the values lie in order
+            grown = min(self.capacity, 2 * self.buf.size)
+            self.buf = np.concatenate([self.buf, np.full(grown - self.buf.size, np.nan)])
+            self.steps = np.concatenate([self.steps, np.full(grown - self.steps.size, -1, dtype=np.int64)])
         i = self.n % self.buf.size
         self.buf[i] = value
         self.steps[i] = step
