@@ -132,6 +132,14 @@ def test_the_readme_limits_table_states_the_enforced_limits() -> None:
         schema.MAX_TS == 253_402_300_799.0
         and "end of 9999" in rows[next(k for k in rows if "timestamps" in k)]
     )
+    from stepwatch_server.detect.engine import MAX_RUNS
+    from stepwatch_server.ingest.store import MAX_CACHED_RUNS
+
+    held = rows[next(k for k in rows if k.startswith("runs whose detection state"))]
+    assert held == f"the {MAX_RUNS:,} most recently active"
+    assert rows[next(k for k in rows if k.startswith("runs whose series ids"))] == (
+        f"the {MAX_CACHED_RUNS:,} most recently written"
+    )
 
 
 def test_a_database_that_is_down_is_a_503_with_retry_after_and_healthz_says_so() -> None:
