@@ -64,3 +64,36 @@ def test_demo_inject_rejects_an_unknown_kind() -> None:
     cmd = [sys.executable, "-m", "stepwatch_server.cli", "demo", "--inject", "oom"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2 and "invalid choice: 'oom'" in done.stderr and "memory_leak" in done.stderr
+
+
+def test_a_runs_detection_state_pickled_mid_run_goes_on_as_if_never_interrupted() -> None:
+    """The bus's workers hand a stream over as a pickle of its engine's runs (bus/worker.py): the state
+    restored in another engine must go on exactly as the one that was never stopped, anomalies included
+    (and the anomalies restored take local ids of their new process)."""
+    import pickle
+
+    from stepwatch_server.detect import DetectionEngine
+    from stepwatch_server.ingest.validate import parse_batch
+    from stepwatch_server.simulate import Straggler
+
+    sc = Scenario(
+        "pickled", 16, 500, seed=3,
+        faults=(Straggler(5, 50, factor=2.0), NonFinite(400, ranks=(9,), module="layers.7.mlp.fc1")),
+    )  # fmt: skip
+    batches = [parse_batch(doc) for doc in Simulation(sc)]
+    whole, first, resumed = DetectionEngine(), DetectionEngine(), DetectionEngine()
+    seen_whole: list[tuple[str, int | None, int, str, str]] = []
+    seen_split: list[tuple[str, int | None, int, str, str]] = []
+    half = len(batches) // 2
+    for i, batch in enumerate(batches):
+        now = float(batch.timestamps[-1]) if batch.steps.size else 0.0
+        seen_whole += [(a.kind, a.rank, a.first_step, a.status, a.severity) for a in whole.feed(batch, now)]
+        engine = first if i < half else resumed
+        if i == half:
+            resumed.runs = pickle.loads(pickle.dumps(first.runs, protocol=pickle.HIGHEST_PROTOCOL))
+        seen_split += [(a.kind, a.rank, a.first_step, a.status, a.severity) for a in engine.feed(batch, now)]
+    assert {k for k, *_ in seen_whole} >= {"straggler", "nonfinite"}
+    assert seen_split == seen_whole
+    restored = [a.local_id for rd in resumed.runs.values() for a in rd.ctx.book.open.values()]
+    original = [a.local_id for rd in first.runs.values() for a in rd.ctx.book.open.values()]
+    assert restored and not set(restored) & set(original)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 Severity = Literal["info", "warning", "critical"]
@@ -56,6 +56,11 @@ class Anomaly:
     resolved_ts: float | None = None
     local_id: int = field(default_factory=lambda: next(_ids))  # identity until storage gives an id
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickled (the bus's snapshots, bus/worker.py) without its local id: restored in another
+        process, it takes one of that process, so it never collides with one made there."""
+        return (_restored, tuple(getattr(self, f.name) for f in fields(self) if f.name != "local_id"))
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "run": self.run,
@@ -78,6 +83,10 @@ class Anomaly:
         }
 
 
+def _restored(*values: Any) -> Anomaly:
+    return Anomaly(*values)
+
+
 class AnomalyBook:
     """The anomalies of one run, keyed by (kind, key); records what changed for storage."""
 
@@ -86,6 +95,11 @@ class AnomalyBook:
         self.open: dict[tuple[str, str], Anomaly] = {}
         self.resolved: list[Anomaly] = []
         self._changed: dict[int, Anomaly] = {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickled: the changes not yet drained are keyed by their anomalies' new local ids."""
+        self.__dict__.update(state)
+        self._changed = {a.local_id: a for a in self._changed.values()}
 
     def raise_(
         self,

@@ -55,7 +55,7 @@ class RunDetection:
             self.ctx = RunContext(run, world_size, ranks=())
             if ctx is not None:  # world size changed: keep the anomalies
                 self.ctx.book = ctx.book
-        self.aligner = Aligner(run, world_size, settings.align_grace_s, rows=lambda: self.ctx.ranks)
+        self.aligner = Aligner(run, world_size, settings.align_grace_s, rows=self._rows)
         classes = [c for c in DETECTORS if settings.kinds is None or c.kind in settings.kinds]
         chosen = {cls.kind: settings.settings_for(cls) for cls in classes}
         # Slowness is computed once per frame for straggler and slow_node together, with one set of
@@ -70,6 +70,10 @@ class RunDetection:
         # the base class's no-op).
         self.tickers = [d for d in self.detectors if type(d).on_tick is not Detector.on_tick]
         self._broken: set[str] = set()
+
+    def _rows(self) -> np.ndarray:
+        """The run's rows (a method, not a lambda: a run's state pickles whole for the bus's snapshots)."""
+        return self.ctx.ranks
 
     def feed(self, batch: Batch, wall_now: float) -> None:
         self.ctx.update(batch, wall_now)
