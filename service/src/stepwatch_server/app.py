@@ -76,7 +76,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.live = live.LiveFeed(engine, app.state.stopping)
             app.state.rollups = RollupWorker(engine).start()
             started.append(app.state.rollups)
-            if settings.detection:
+            if settings.detection and settings.bus is not None:  # detect workers take it from there
+                from stepwatch_server.bus.publisher import BusPublisher
+                from stepwatch_server.bus.streams import connect
+
+                app.state.detection = BusPublisher(connect(settings.bus)).start()
+                started.append(app.state.detection)
+            elif settings.detection:
                 overrides = settings.detection_overrides
                 on_stored = app.state.alerts.on_stored if app.state.alerts is not None else None
                 app.state.detection = DetectionWorker(
@@ -86,7 +92,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             log.info(
                 "stepwatch collector ready (database %s, detection %s)",
                 engine.url.render_as_string(hide_password=True),
-                "on" if settings.detection else "off",
+                ("by detect workers on the bus" if settings.bus else "on") if settings.detection else "off",
             )
             policy: auth.Policy = app.state.policy
             (log.warning if policy.weak else log.info)("access: %s", policy.describe())

@@ -1,5 +1,5 @@
-"""`stepwatch-server`: run the collector (`serve`), a live demonstration (`demo`), send a test alert
-(`alerts test --channel NAME`), or `grafana push`."""
+"""`stepwatch-server`: run the collector (`serve`), a detection worker of the bus (`detect`), a live
+demonstration (`demo`), send a test alert (`alerts test --channel NAME`), or `grafana push`."""
 
 from __future__ import annotations
 
@@ -76,6 +76,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the collector")
     _add_server_options(serve)
+    serve.add_argument(
+        "--bus",
+        default=None,
+        metavar="URL",
+        help="Redis (redis://host:6379/0): add each stored batch to the bus for `detect` workers instead of "
+        "detecting in this process (README 'Running at scale'); default $STEPWATCH_BUS, else no bus",
+    )
+
+    detect = sub.add_parser(
+        "detect",
+        help="a detection worker for collectors started with --bus: takes its share of the bus's streams",
+    )
+    detect.add_argument(
+        "--bus", default=None, metavar="URL", help="Redis URL (default $STEPWATCH_BUS); required"
+    )
+    detect.add_argument(
+        "--database-url",
+        default=None,
+        help="the collectors' database (default $STEPWATCH_DATABASE_URL); PostgreSQL with several processes",
+    )
+    _add_alerts_option(detect)
 
     demo = sub.add_parser(
         "demo",
@@ -157,6 +178,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_grafana_command(args)
     if args.command == "alerts":
         return _alerts_test(args)
+    if args.command == "detect":
+        from stepwatch_server.bus.command import run_detect
+
+        return run_detect(args)
     from stepwatch_server.settings import Settings
 
     try:
@@ -171,6 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             extra["tokens"] = load_tokens(args.tokens_file)
         if args.public_read:
             extra["public_read"] = True
+        if getattr(args, "bus", None):
+            extra["bus"] = args.bus
         settings = Settings.from_env(database_url=args.database_url, token=args.token, **extra)
     except ValueError as exc:
         print(f"stepwatch-server: {exc}", file=sys.stderr)

@@ -49,6 +49,10 @@ def _env_alerts() -> AlertsConfig | None:
     return load_config(path)
 
 
+def _env_bus() -> str | None:
+    return os.environ.get("STEPWATCH_BUS", "").strip() or None
+
+
 def _env_detection() -> bool:
     return os.environ.get("STEPWATCH_DETECTION", "").strip().lower() not in {"off", "false", "0"}
 
@@ -136,6 +140,9 @@ class Settings:
 
     `alerts` is the checked alerts configuration (docs/alerts.md), default from the file named by
     STEPWATCH_ALERTS; a broken file is a ValueError naming the line, at start. None: no alerts.
+
+    `bus` (STEPWATCH_BUS), a redis:// URL: the collector detects nothing itself and adds each stored
+    batch to the bus for `stepwatch-server detect` workers (bus/; README, "Running at scale").
     """
 
     database_url: str = field(default_factory=_env_database_url)
@@ -147,6 +154,7 @@ class Settings:
     detection: bool = field(default_factory=_env_detection)
     detection_overrides: dict[str, dict[str, Any]] = field(default_factory=_env_detection_overrides)
     alerts: AlertsConfig | None = field(default_factory=_env_alerts)
+    bus: str | None = field(default_factory=_env_bus)
 
     @classmethod
     def from_env(
@@ -178,6 +186,10 @@ class Settings:
                 "postgresql+psycopg://user@host/db"
             ) from None
         check_detection_overrides(self.detection_overrides)
+        if self.bus is not None and not self.bus.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(
+                f"bus: expected a redis:// URL (e.g. redis://127.0.0.1:6379/0), got {self.bus!r}"
+            )
         if self.token == "":
             object.__setattr__(self, "token", None)
         check_distinct(((legacy_grant(self.token),) if self.token else ()) + tuple(self.tokens))

@@ -117,6 +117,16 @@ class DetectionWorker(BackgroundWorker):
             log.warning("detection: %s; batches are stored but skip detection (counted as dropped)", why)
         return False
 
+    @property
+    def behind(self) -> str:
+        """Why `reserve()` says no, for the 429's message."""
+        return f"{MAX_QUEUED_BATCHES:,} batches wait for the detection worker"
+
+    async def hand_over(self, batch: Batch, ack_monotonic: float) -> None:
+        """Queue a stored batch in the slot its request reserved (the ingest route's call, which the bus's
+        publisher answers too: bus/publisher.py)."""
+        self.submit(batch, ack_monotonic, reserved=True)
+
     # -- the thread -----------------------------------------------------------------------------
     def _run(self) -> None:
         self._adopt()

@@ -4,8 +4,8 @@ The event loop only checks the token (auth/access.py: 401 before the body is rea
 body in under the size limit; decompression, parsing, validation, the check that the token writes the
 batch's run (403) and the database transaction run on ingest's writing thread (ingest/pipeline.py),
 with the other bodies that wait; a body over PIPELINE_MAX_BYTES on a thread of the pool of its own. The answer is sent after
-the commit; `_after_commit()` is the single point where stored batches leave ingest (the bus that
-feeds the detectors hooks in there).
+the commit; `_after_commit()` is the single point where stored batches leave ingest: to the detection
+worker in this process, or with `--bus` to the bus's streams (bus/publisher.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from stepwatch_server.auth import Grant, check_write, write_access
-from stepwatch_server.detect.worker import MAX_QUEUED_BATCHES
 from stepwatch_server.errors import DetectionBehind, ErrorAnswer
 from stepwatch_server.ingest.body import decode_body, read_body_bounded
 from stepwatch_server.ingest.example import EXAMPLE_BATCH
@@ -108,16 +107,16 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _after_commit(request: Request, batch: Batch, result: IngestResult) -> None:
-    """Stored batches leave ingest here: to the detection worker's queue, in the slot the request took
-    before writing (never blocks), and their run and step range to the rollup worker. A duplicate is
-    not re-fed (its slot is freed); a batch with only steps or a heartbeat is, because that is how hangs
-    are told apart."""
+async def _after_commit(request: Request, batch: Batch, result: IngestResult) -> None:
+    """Stored batches leave ingest here: to detection, in the slot the request took before writing (the
+    detection worker's queue: never blocks; or the bus's stream, awaited: an acknowledged batch is on the
+    bus), and their run and step range to the rollup worker. A duplicate is not re-fed (its slot is
+    freed); a batch with only steps or a heartbeat is, because that is how hangs are told apart."""
     worker = request.app.state.detection
     stored = result.rows > 0 or batch.steps.size > 0 or batch.heartbeat is not None
     if worker is not None:
         if not result.duplicate and stored:
-            worker.submit(batch, time.monotonic(), reserved=True)
+            await worker.hand_over(batch, time.monotonic())
         else:
             worker.release()
     if request.app.state.rollups is not None and result.steps is not None:  # runs/rollup_worker.py
@@ -150,7 +149,7 @@ async def ingest(request: Request) -> Response:
     worker = request.app.state.detection
     if worker is not None and not worker.reserve():  # stored now, this batch would never be detected
         raise DetectionBehind(
-            f"detection is {MAX_QUEUED_BATCHES:,} batches behind: nothing was stored; send this batch again "
+            f"detection is behind ({worker.behind}): nothing was stored; send this batch again "
             f"after {DetectionBehind.retry_after_s} s (the agent backs off and spools it)"
         )
     encoding = request.headers.get("content-encoding")
@@ -167,6 +166,6 @@ async def ingest(request: Request) -> Response:
         if worker is not None:
             worker.release()
         raise
-    _after_commit(request, batch, result)
+    await _after_commit(request, batch, result)
     ingest_accepted(len(raw), result.rows, result.duplicate, time.perf_counter() - started)
     return json_response(result.answer())
