@@ -72,23 +72,32 @@ def batch(run: str, session: str, rank: int, ranks: int, seq: int) -> bytes:
     return gzip.compress(json.dumps(doc, separators=(",", ":")).encode(), compresslevel=1)
 
 
-def send_all(url: str, bodies: list[bytes], senders: int) -> tuple[float, list[float]]:
-    """POST every body from `senders` threads (keep-alive); (wall seconds, each answer's latency)."""
-    parts = urlsplit(url)
-    queue = iter(bodies)
+def send_all(
+    url: str | list[str], bodies: list[bytes], senders: int, route: list[int] | None = None
+) -> tuple[float, list[float]]:
+    """POST every body from `senders` threads (keep-alive); (wall seconds, each answer's latency). With
+    several collector URLs, body i goes to `url[route[i]]` (the agent's rank-to-collector choice)."""
+    urls = [url] if isinstance(url, str) else url
+    targets = route or [0] * len(bodies)
+    queue = iter(zip(targets, bodies, strict=True))
     lock = threading.Lock()
     latencies: list[float] = []
     failures: list[str] = []
 
     def sender() -> None:
-        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=REQUEST_TIMEOUT_S)
+        conns = []
+        for u in urls:
+            parts = urlsplit(u)
+            conns.append(http.client.HTTPConnection(parts.hostname, parts.port, timeout=REQUEST_TIMEOUT_S))
         headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
         try:
             while True:
                 with lock:
-                    body = next(queue, None)
-                if body is None:
+                    item = next(queue, None)
+                if item is None:
                     return
+                target, body = item
+                conn = conns[target]
                 start = time.perf_counter()
                 conn.request("POST", "/api/v1/ingest", body=body, headers=headers)
                 answer = conn.getresponse()
@@ -99,7 +108,8 @@ def send_all(url: str, bodies: list[bytes], senders: int) -> tuple[float, list[f
                         failures.append(f"{answer.status}: {data[:200]!r}")
                     latencies.append(took)
         finally:
-            conn.close()
+            for conn in conns:
+                conn.close()
 
     threads = [threading.Thread(target=sender, daemon=True) for _ in range(senders)]
     wall = _servers.timed_threads(threads, REQUEST_TIMEOUT_S * len(bodies))
