@@ -18,10 +18,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import orjson
 import pytest
 from sqlalchemy import create_engine, func, select
@@ -30,6 +32,8 @@ from stepwatch_server.bus import streams
 from stepwatch_server.simulate import NonFinite, Scenario, Simulation, Straggler
 from stepwatch_server.storage.models import Anomaly as AnomalyRow
 from stepwatch_server.storage.models import Run, StepRecord
+from tests.alerts.helpers import config_text, nan_batch
+from tests.alerts.receiver import Receiver
 from tests.conftest import require
 from tests.detect.helpers import detect_docs
 from tests.service.conftest import fresh_database
@@ -115,10 +119,10 @@ class Process:
 
 
 class Replica(Process):
-    def __init__(self, database_url: str, bus: str, log: Path) -> None:
+    def __init__(self, database_url: str, bus: str, log: Path, extra: tuple[str, ...] = ()) -> None:
         self.port = _free_port()
         super().__init__(
-            ["serve", "--port", str(self.port), "--database-url", database_url, "--bus", bus], log
+            ["serve", "--port", str(self.port), "--database-url", database_url, "--bus", bus, *extra], log
         )
         self.conn: http.client.HTTPConnection | None = None
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -242,8 +246,9 @@ def _trace() -> tuple[list[dict[str, Any]], list[tuple[str, int | None, int]]]:
 
 @contextlib.contextmanager
 def _deployment(
-    tmp_path: Path, replicas: int, workers: int
+    tmp_path: Path, replicas: int, workers: int, extra: tuple[str, ...] = ()
 ) -> Iterator[tuple[str, RedisServer, list[Replica], list[Process]]]:
+    """PostgreSQL, Redis, `replicas` x `serve --bus` and `workers` x `detect`, each with `extra` options."""
     with fresh_database("postgres", tmp_path) as database_url:
         redis_server = RedisServer(tmp_path)
         redis_server.start()
@@ -251,11 +256,11 @@ def _deployment(
         try:
             serving = []
             for i in range(replicas):  # one at a time: the first applies the migrations
-                serving.append(Replica(database_url, redis_server.url, tmp_path / f"serve-{i}.log"))
+                serving.append(Replica(database_url, redis_server.url, tmp_path / f"serve-{i}.log", extra))
                 started.append(serving[-1])
             detecting = [
                 Process(
-                    ["detect", "--bus", redis_server.url, "--database-url", database_url],
+                    ["detect", "--bus", redis_server.url, "--database-url", database_url, *extra],
                     tmp_path / f"detect-{i}.log",
                 )
                 for i in range(workers)
@@ -329,3 +334,53 @@ def test_a_replica_killed_and_redis_restarted_mid_run_lose_no_batch_and_no_detec
         assert _step_rows(database_url, run) == len(steps)  # every acknowledged step stored, once
         found = _found(database_url)
     assert found == expected
+
+
+def _first_runs_event(url: str) -> list[str]:
+    """The run names of the first `runs` event of the live feed at `url`."""
+    with httpx.stream("GET", url, timeout=30.0) as response:
+        name = None
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: ") and name == "runs":
+                return sorted(r["name"] for r in orjson.loads(line[6:])["runs"])
+    raise AssertionError("the stream ended before a runs event")
+
+
+def test_alerts_go_once_and_the_live_feed_shows_every_run_behind_either_replica(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two replicas deliver one outbox (each claims rows with SKIP LOCKED) and the workers write it: every
+    message reaches the receiver exactly once; the event stream of either replica lists the runs that
+    were sent to the other (issue 16, item 6)."""
+    receiver = Receiver().start()
+    try:
+        monkeypatch.setenv("SW_TEST_SLACK_URL", receiver.url("/slack"))
+        monkeypatch.setenv("SW_TEST_HOOK_SECRET", "test-secret-0123456789")
+        alerts = tmp_path / "alerts.yaml"
+        alerts.write_text(config_text(receiver, window_s=0.2))
+        runs = [f"bus-alerts-{i}" for i in range(6)]
+        with _deployment(tmp_path, replicas=2, workers=2, extra=("--alerts", str(alerts))) as (
+            _,
+            redis_server,
+            replicas,
+            _,
+        ):
+            for i, run in enumerate(runs):
+                status, data = replicas[i % 2].request(
+                    "POST", "/api/v1/ingest", gzip.compress(orjson.dumps(nan_batch(run)))
+                )
+                assert status == 200, data
+            _wait_caught_up(redis_server.url, replicas)
+            receiver.wait_for(lambda: len(receiver.received) >= 2 * len(runs), 60.0, "12 messages")
+            time.sleep(3.0)  # a second copy of any message would arrive within this
+            deliveries = replicas[0].get("/api/v1/alerts?limit=1000")["deliveries"]
+            for replica in replicas:
+                assert _first_runs_event(f"http://127.0.0.1:{replica.port}/api/v1/stream") == runs
+    finally:
+        receiver.stop()
+    keys = Counter(r.key for r in receiver.received)
+    assert len(keys) == 2 * len(runs) and set(keys.values()) == {1}, keys
+    assert sorted(d["status"] for d in deliveries) == ["delivered"] * (2 * len(runs))
+    assert {r.json["run"] for r in receiver.on("/hook")} == set(runs)
