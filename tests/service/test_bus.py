@@ -246,9 +246,14 @@ def _trace() -> tuple[list[dict[str, Any]], list[tuple[str, int | None, int]]]:
 
 @contextlib.contextmanager
 def _deployment(
-    tmp_path: Path, replicas: int, workers: int, extra: tuple[str, ...] = ()
+    tmp_path: Path,
+    replicas: int,
+    workers: int,
+    extra: tuple[str, ...] = (),
+    metrics_ports: tuple[int, ...] = (),
 ) -> Iterator[tuple[str, RedisServer, list[Replica], list[Process]]]:
-    """PostgreSQL, Redis, `replicas` x `serve --bus` and `workers` x `detect`, each with `extra` options."""
+    """PostgreSQL, Redis, `replicas` x `serve --bus` and `workers` x `detect`, each with `extra` options
+    (and worker i with `--metrics-port metrics_ports[i]` when given)."""
     with fresh_database("postgres", tmp_path) as database_url:
         redis_server = RedisServer(tmp_path)
         redis_server.start()
@@ -260,7 +265,8 @@ def _deployment(
                 started.append(serving[-1])
             detecting = [
                 Process(
-                    ["detect", "--bus", redis_server.url, "--database-url", database_url, *extra],
+                    ["detect", "--bus", redis_server.url, "--database-url", database_url, *extra]
+                    + (["--metrics-port", str(metrics_ports[i])] if metrics_ports else []),
                     tmp_path / f"detect-{i}.log",
                 )
                 for i in range(workers)
@@ -336,6 +342,14 @@ def test_a_replica_killed_and_redis_restarted_mid_run_lose_no_batch_and_no_detec
     assert found == expected
 
 
+def _metric(text: str, series: str) -> float:
+    """The value of one series in a Prometheus text exposition."""
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{series} not in the metrics")
+
+
 def _first_runs_event(url: str) -> list[str]:
     """The run names of the first `runs` event of the live feed at `url`."""
     with httpx.stream("GET", url, timeout=30.0) as response:
@@ -361,12 +375,10 @@ def test_alerts_go_once_and_the_live_feed_shows_every_run_behind_either_replica(
         alerts = tmp_path / "alerts.yaml"
         alerts.write_text(config_text(receiver, window_s=0.2))
         runs = [f"bus-alerts-{i}" for i in range(6)]
-        with _deployment(tmp_path, replicas=2, workers=2, extra=("--alerts", str(alerts))) as (
-            _,
-            redis_server,
-            replicas,
-            _,
-        ):
+        ports = (_free_port(), _free_port())
+        with _deployment(
+            tmp_path, replicas=2, workers=2, extra=("--alerts", str(alerts)), metrics_ports=ports
+        ) as (_, redis_server, replicas, _):
             for i, run in enumerate(runs):
                 status, data = replicas[i % 2].request(
                     "POST", "/api/v1/ingest", gzip.compress(orjson.dumps(nan_batch(run)))
@@ -378,6 +390,22 @@ def test_alerts_go_once_and_the_live_feed_shows_every_run_behind_either_replica(
             deliveries = replicas[0].get("/api/v1/alerts?limit=1000")["deliveries"]
             for replica in replicas:
                 assert _first_runs_event(f"http://127.0.0.1:{replica.port}/api/v1/stream") == runs
+            # Each process's /metrics: the replicas added the 6 batches to the bus, the workers processed them.
+            published = [
+                _metric(
+                    httpx.get(f"http://127.0.0.1:{r.port}/metrics").text,
+                    "stepwatch_bus_published_batches_total",
+                )
+                for r in replicas
+            ]
+            processed = [
+                _metric(
+                    httpx.get(f"http://127.0.0.1:{port}/metrics").text,
+                    'stepwatch_detect_batches_total{outcome="processed"}',
+                )
+                for port in ports
+            ]
+            assert published == [3.0, 3.0] and sum(processed) == len(runs), (published, processed)
     finally:
         receiver.stop()
     keys = Counter(r.key for r in receiver.received)

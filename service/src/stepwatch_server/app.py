@@ -77,11 +77,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.rollups = RollupWorker(engine).start()
             started.append(app.state.rollups)
             if settings.detection and settings.bus is not None:  # detect workers take it from there
+                from stepwatch_server.bus.metrics import PublisherMetrics
                 from stepwatch_server.bus.publisher import BusPublisher
                 from stepwatch_server.bus.streams import connect
 
                 app.state.detection = BusPublisher(connect(settings.bus)).start()
                 started.append(app.state.detection)
+                app.state.metric_collectors = [PublisherMetrics(app.state.detection.stats)]
             elif settings.detection:
                 overrides = settings.detection_overrides
                 on_stored = app.state.alerts.on_stored if app.state.alerts is not None else None
@@ -136,6 +138,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.alerts = None
     app.state.rollups = None
     app.state.live = None
+    app.state.metric_collectors = []  # more Prometheus collectors for /metrics (the bus's, with --bus)
     app.state.ingest = None
     app.state.stopping = threading.Event()  # set by serving.py as shutdown begins: endless responses end
     app.state.policy = auth.Policy.from_settings(settings)

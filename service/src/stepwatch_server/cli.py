@@ -96,6 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the collectors' database (default $STEPWATCH_DATABASE_URL); PostgreSQL with several processes",
     )
+    detect.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve this worker's Prometheus metrics on this port (/metrics); default: none",
+    )
+    detect.add_argument(
+        "--metrics-host", default=DEFAULT_HOST, help="address for --metrics-port (default %(default)s)"
+    )
     _add_alerts_option(detect)
 
     demo = sub.add_parser(

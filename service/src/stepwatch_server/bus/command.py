@@ -67,6 +67,15 @@ def run_detect(args: argparse.Namespace) -> int:
         url.split("@")[-1],
         db.url.render_as_string(hide_password=True),
     )
+    if args.metrics_port is not None:
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        from stepwatch_server.bus.metrics import WorkerMetrics
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(WorkerMetrics(worker.stats))
+        start_http_server(args.metrics_port, addr=args.metrics_host, registry=registry)
+        log.info("detect: metrics on http://%s:%d/metrics", args.metrics_host, args.metrics_port)
     worker.start()
     while not done.wait(STATS_EVERY_S):
         log.info("detect: %s", worker.stats())

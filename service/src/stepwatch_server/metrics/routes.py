@@ -35,6 +35,8 @@ def build_registry(request: Request) -> CollectorRegistry:
     else:
         registry.register(SELF_REGISTRY)
     registry.register(RunHealthCollector(request.app.state.engine))
+    for extra in getattr(request.app.state, "metric_collectors", ()):  # e.g. the bus's (app.py)
+        registry.register(extra)
     return registry
 
 
