@@ -412,3 +412,46 @@ def test_alerts_go_once_and_the_live_feed_shows_every_run_behind_either_replica(
     assert len(keys) == 2 * len(runs) and set(keys.values()) == {1}, keys
     assert sorted(d["status"] for d in deliveries) == ["delivered"] * (2 * len(runs))
     assert {r.json["run"] for r in receiver.on("/hook")} == set(runs)
+
+
+def test_a_worker_takes_its_streams_again_when_redis_lost_them(tmp_path: Path) -> None:
+    """Redis lost the streams while the worker's leases stayed (the streams deleted, or a failover to a
+    replica that never had them): XREADGROUP answers NOGROUP; the worker lets its streams go, takes them
+    again afresh (creating the group) and detects what comes next."""
+    from stepwatch_server.bus.worker import StreamDetection
+    from stepwatch_server.ingest.store import BatchWriter
+    from stepwatch_server.ingest.validate import parse_batch
+    from stepwatch_server.storage import make_engine, upgrade
+
+    redis_server = RedisServer(tmp_path)
+    redis_server.start()
+    engine = make_engine(f"sqlite:///{tmp_path / 'bus.db'}")
+    upgrade(engine)
+    client = streams.connect(redis_server.url)
+    worker = StreamDetection(engine, client).start()
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while len(worker.owned) < streams.PARTITIONS:
+            assert time.monotonic() < deadline, "the worker did not take the streams"
+            time.sleep(0.05)
+        # The streams (and with them their group) gone, the leases kept: as when someone deletes the
+        # streams, or a failover to a replica that never had them.
+        client.delete(*[streams.stream_key(p) for p in range(streams.PARTITIONS)])
+        batch = parse_batch(nan_batch("after-the-flush"))
+        BatchWriter(engine).write(batch)
+        deadline = time.monotonic() + 2 * TAKE_OVER_S
+        key = streams.stream_key(streams.partition(batch.run))
+        while True:  # added once the streams are taken again (before, the entry would have no group)
+            if client.exists(key) and client.xinfo_groups(key) and len(worker.owned) == streams.PARTITIONS:
+                break
+            assert time.monotonic() < deadline, "the worker did not take the streams again"
+            time.sleep(0.05)
+        client.xadd(key, streams.encode(batch, time.time()))  # type: ignore[arg-type]
+        while not any(k == "nonfinite" for k, _, _ in _found(str(engine.url))):
+            assert time.monotonic() < deadline, "the batch added after the flush was not detected"
+            time.sleep(0.1)
+    finally:
+        worker.stop()
+        client.close()
+        engine.dispose()
+        redis_server.stop()

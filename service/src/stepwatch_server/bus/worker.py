@@ -140,7 +140,19 @@ class StreamDetection(BackgroundWorker):
 
     def _read(self) -> list[tuple[_Stream, list[tuple[bytes, dict[bytes, bytes]]]]]:
         keys = {s.key: ">" for s in self.owned.values()}
-        answer = self.client.xreadgroup(streams.GROUP, self.id, keys, count=READ_COUNT, block=READ_BLOCK_MS)
+        try:
+            answer = self.client.xreadgroup(
+                streams.GROUP, self.id, keys, count=READ_COUNT, block=READ_BLOCK_MS
+            )
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # Redis lost the streams (restarted without its append-only file): take them again afresh.
+            log.warning("detect: Redis no longer has the streams' group (%s); taking the streams again", exc)
+            for p in list(self.owned):
+                self._release(keys=[streams.lease_key(p)], args=[self.id])
+                del self.owned[p]
+            return []
         by_key = {s.key.encode(): s for s in self.owned.values()}
         out = []
         for key, entries in answer or []:
