@@ -69,7 +69,17 @@ def test_compose_stack_has_every_service_with_healthchecks_and_volumes() -> None
     for name, service in services.items():
         assert "healthcheck" in service, f"{name} has no healthcheck"
     assert services["collector"]["build"]
-    assert {"postgres-data", "prometheus-data", "grafana-data"} <= set(compose["volumes"])
+    assert {"postgres-data", "prometheus-data", "grafana-data", "redis-data"} <= set(compose["volumes"])
+    # The scale profile (README, "Running at scale"): a second replica and the workers, all on the bus.
+    bus = "redis://redis:6379/0"
+    assert services["collector-2"]["profiles"] == services["detect"]["profiles"] == ["scale"]
+    assert (
+        services["collector-2"]["environment"]["STEPWATCH_BUS"]
+        == services["detect"]["environment"]["STEPWATCH_BUS"]
+        == bus
+    )
+    assert services["detect"]["command"][0] == "detect" and "--metrics-port" in services["detect"]["command"]
+    assert "--appendonly" in services["redis"]["command"] and "yes" in services["redis"]["command"]
     scrape = (generate.REPO / "dashboards/prometheus/prometheus.yml").read_text()
     assert "collector:8000" in scrape
 
