@@ -36,7 +36,7 @@ from tests.alerts.helpers import config_text, nan_batch
 from tests.alerts.receiver import Receiver
 from tests.conftest import require
 from tests.detect.helpers import detect_docs
-from tests.service.conftest import fresh_database
+from tests.service.conftest import Collector, fresh_database
 
 pytestmark = pytest.mark.postgres
 
@@ -454,4 +454,39 @@ def test_a_worker_takes_its_streams_again_when_redis_lost_them(tmp_path: Path) -
         worker.stop()
         client.close()
         engine.dispose()
+        redis_server.stop()
+
+
+def test_with_no_worker_on_the_bus_ingest_refuses_once_the_backlog_passes_its_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No `detect` running: entries pile up in the streams; past the bound (5 here, 200,000 by default) a
+    batch stored now would wait without end, so ingest answers 429 naming why and stores nothing."""
+    from stepwatch_server.bus import publisher
+
+    monkeypatch.setattr(publisher, "MAX_STREAM_BACKLOG", 5)
+    redis_server = RedisServer(tmp_path)
+    redis_server.start()
+    try:
+        with fresh_database("sqlite", tmp_path) as url:
+            collector = Collector(url, bus=redis_server.url)
+            try:
+                for i in range(8):
+                    assert collector.post(nan_batch(f"unread-{i}")).status_code == 200
+                deadline = time.monotonic() + 10.0
+                while collector.get("/api/v1/detection")["stream_backlog"] < 8:
+                    assert time.monotonic() < deadline, collector.get("/api/v1/detection")
+                    time.sleep(0.1)
+                before = collector.counts()
+                refused = collector.post(nan_batch("one-too-many"))
+                assert refused.status_code == 429 and refused.headers["Retry-After"] == "2"
+                error = refused.json()["error"]
+                assert (
+                    error["code"] == "detection_behind"
+                    and "wait in the bus for a detection worker" in error["message"]
+                )
+                assert collector.counts() == before
+            finally:
+                collector.close()
+    finally:
         redis_server.stop()
