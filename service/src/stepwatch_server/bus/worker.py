@@ -46,7 +46,7 @@ from stepwatch_server.bus import streams
 from stepwatch_server.detect.anomalies import Anomaly
 from stepwatch_server.detect.engine import DetectionEngine, EngineSettings
 from stepwatch_server.detect.store import StoredHook, load_open, save_anomalies
-from stepwatch_server.detect.worker import MAX_UNSAVED_ANOMALIES, SAVE_RETRY_S, TICK_INTERVAL_S
+from stepwatch_server.detect.worker import SAVE_RETRY_S, TICK_INTERVAL_S, UnsavedChanges
 
 log = logging.getLogger(__name__)
 
@@ -98,14 +98,13 @@ class StreamDetection(BackgroundWorker):
         self._on_stored = on_stored
         self.id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.owned: dict[int, _Stream] = {}
-        self._unsaved: dict[int, Anomaly] = {}
+        self._unsaved = UnsavedChanges()
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
         self._lag_s: collections.deque[float] = collections.deque(maxlen=LAG_WINDOW)
         self.processed = 0
         self.replayed = 0
         self.taken_over = 0
-        self.saved = 0
         self.snapshots = 0
 
     # -- the thread -----------------------------------------------------------------------------
@@ -184,21 +183,10 @@ class StreamDetection(BackgroundWorker):
         return changed
 
     def _store_and_ack(self, changed: list[Anomaly]) -> None:
-        for anomaly in changed:
-            self._unsaved[anomaly.local_id] = anomaly
-        if self._unsaved:
-            written = self._guard(
-                "store", save_anomalies, self.db, list(self._unsaved.values()), self._on_stored
-            )
-            if written is None:  # the database failed: entries stay pending, changes kept (bounded)
-                excess = len(self._unsaved) - MAX_UNSAVED_ANOMALIES
-                for local_id in list(self._unsaved)[: max(0, excess)]:
-                    del self._unsaved[local_id]
-                self._stop.wait(SAVE_RETRY_S)
-                return
-            self._unsaved.clear()
-            with self._lock:
-                self.saved += written
+        self._unsaved.add(changed)
+        if not self._unsaved.write(self._save):  # the database failed: entries stay pending
+            self._stop.wait(SAVE_RETRY_S)
+            return
         pending = [s for s in self.owned.values() if s.unacked]
         if pending:
             pipe = self.client.pipeline(transaction=False)
@@ -207,6 +195,9 @@ class StreamDetection(BackgroundWorker):
             if self._guard("ack", pipe.execute) is not None:
                 for stream in pending:
                     stream.unacked.clear()
+
+    def _save(self, anomalies: list[Anomaly]) -> int | None:
+        return self._guard("store", save_anomalies, self.db, anomalies, self._on_stored)
 
     # -- leases -----------------------------------------------------------------------------------
     def _leases(self) -> None:
@@ -229,9 +220,7 @@ class StreamDetection(BackgroundWorker):
                 del self.owned[p]
         while len(self.owned) > share:  # hand the extra ones over to the workers that joined
             self._hand_over(max(self.owned))
-        start = (
-            zlib.crc32(self.id.encode()) % streams.PARTITIONS
-        )  # workers start looking at different streams
+        start = zlib.crc32(self.id.encode()) % streams.PARTITIONS  # workers look from different streams
         for i in range(streams.PARTITIONS):
             if len(self.owned) >= share:
                 break
@@ -354,7 +343,7 @@ class StreamDetection(BackgroundWorker):
                 "processed": self.processed,
                 "replayed": self.replayed,
                 "taken_over": self.taken_over,
-                "anomalies_saved": self.saved,
+                "anomalies_saved": self._unsaved.saved,
                 "anomalies_unsaved": len(self._unsaved),
                 "snapshots": self.snapshots,
                 "errors": self.errors,

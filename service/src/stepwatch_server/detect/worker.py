@@ -27,6 +27,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,40 @@ MAX_UNSAVED_ANOMALIES = 10_000  # changes kept for the next round while the data
 SAVE_RETRY_S = 1.0  # after a failed write, the next attempt waits this long
 
 
+class UnsavedChanges:
+    """The anomaly changes a detection loop has not written yet, by anomaly (the last change wins); while
+    the database fails they are kept for the next round, the most recent `limit` of them (the older ones
+    counted in `dropped`). Shared by this worker and the bus's (bus/worker.py)."""
+
+    def __init__(self, limit: int = MAX_UNSAVED_ANOMALIES) -> None:
+        self._changes: dict[int, Anomaly] = {}
+        self.limit = limit
+        self.dropped = 0
+        self.saved = 0
+
+    def __len__(self) -> int:
+        return len(self._changes)
+
+    def add(self, changed: list[Anomaly]) -> None:
+        for anomaly in changed:
+            self._changes[anomaly.local_id] = anomaly
+
+    def write(self, save: Callable[[list[Anomaly]], int | None]) -> bool:
+        """`save` what is unsaved (it returns the rows written, None when it failed); True when nothing
+        is left unsaved."""
+        if not self._changes:
+            return True
+        written = save(list(self._changes.values()))
+        if written is None:
+            for local_id in list(self._changes)[: max(0, len(self._changes) - self.limit)]:
+                del self._changes[local_id]
+                self.dropped += 1
+            return False
+        self._changes.clear()
+        self.saved += written
+        return True
+
+
 class DetectionWorker(BackgroundWorker):
     """One engine, one bounded queue, one thread. `submit` is safe from any thread and never blocks."""
 
@@ -65,12 +100,10 @@ class DetectionWorker(BackgroundWorker):
         self._queue: queue.Queue[tuple[Batch, float]] = queue.Queue()  # bounded by the slots
         self._slots = threading.Semaphore(MAX_QUEUED_BATCHES)
         self._lag_s: collections.deque[float] = collections.deque(maxlen=LAG_WINDOW)
-        self._unsaved: dict[int, Anomaly] = {}
+        self._unsaved = UnsavedChanges()
         self.submitted = 0
         self.processed = 0
         self.dropped = 0
-        self.dropped_unsaved = 0
-        self.saved = 0
         self.adopted = 0
         self._warned_full = False
 
@@ -171,21 +204,12 @@ class DetectionWorker(BackgroundWorker):
         return items
 
     def _store(self, changed: list[Anomaly]) -> None:
-        for anomaly in changed:
-            self._unsaved[anomaly.local_id] = anomaly
-        if not self._unsaved:
-            return
-        written = self._guard("store", save_anomalies, self.db, list(self._unsaved.values()), self._on_stored)
-        if written is None:  # the database failed: keep the changes (bounded) for the next round
-            excess = len(self._unsaved) - MAX_UNSAVED_ANOMALIES
-            for local_id in list(self._unsaved)[: max(0, excess)]:
-                del self._unsaved[local_id]
-                self.dropped_unsaved += 1
+        self._unsaved.add(changed)
+        if not self._unsaved.write(self._save):  # the database failed: kept (bounded) for the next round
             self._stop.wait(SAVE_RETRY_S)
-            return
-        self._unsaved.clear()
-        with self._lock:
-            self.saved += written
+
+    def _save(self, anomalies: list[Anomaly]) -> int | None:
+        return self._guard("store", save_anomalies, self.db, anomalies, self._on_stored)
 
     def _adopt(self) -> None:
         runs = self._guard("adopt", load_open, self.db) or []
@@ -212,7 +236,7 @@ class DetectionWorker(BackgroundWorker):
                 "processed": self.processed,
                 "dropped": self.dropped,
                 "errors": self.errors,
-                "anomalies_saved": self.saved,
+                "anomalies_saved": self._unsaved.saved,
                 "anomalies_unsaved": len(self._unsaved),
                 "adopted": self.adopted,
                 "runs": len(self.engine.runs),
