@@ -407,15 +407,15 @@ def test_the_collector_rolls_up_what_ingest_stored(database_url: str) -> None:
         deadline = time.monotonic() + CATCH_UP_S
         with engine.connect() as conn:
             sid = conn.execute(select(Series.id).where(Series.name == "loss")).scalar_one()
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline:  # the rows, then the watermark raised after them (its own write)
             with engine.connect() as conn:
                 got = conn.execute(select(StepRollup.step, StepRollup.n, StepRollup.total)).all()
-            if len(got) == 3 and all(n == 2 for _, n, _ in got):
+                mark = rollups.rolled_to(conn, [sid])
+            if len(got) == 3 and all(n == 2 for _, n, _ in got) and mark == 2:
                 break
             time.sleep(0.05)
         assert sorted(got) == [(0, 2, 4.0), (1, 2, 4.0), (2, 2, 4.0)]
-        with engine.connect() as conn:
-            assert rollups.rolled_to(conn, [sid]) == 2
+        assert mark == 2
     finally:
         engine.dispose()
         collector.close()
