@@ -175,13 +175,22 @@ export function renderRun(main, run) {
   // Answers come back in any order: one asked for a range the page no longer shows (a slow full-range
   // heatmap after a zoom) is dropped, and so is any answer older than the last request for the same
   // view (a generation per target: a slow forward-time answer after the view was switched, or an older
-  // refresh), so the newest request always wins.
+  // refresh), so the newest request always wins. A caller whose answer was dropped for a newer request
+  // waits for that one, so a page that says it is ready has drawn what it asked for (a second full-range
+  // load started while the first was in flight let the page say ready with an empty heatmap).
   const rangeKey = () => JSON.stringify(rangeParams());
   const generations = {};
+  const newest = {};
   const forRange = (target, promise, apply) => {
     const asked = rangeKey();
     const generation = (generations[target] = (generations[target] ?? 0) + 1);
-    return promise.then((d) => { if (state.alive && rangeKey() === asked && generations[target] === generation) apply(d); });
+    const done = promise.then((d) => {
+      if (!state.alive || rangeKey() !== asked) return undefined;
+      if (generations[target] === generation) return apply(d);
+      return newest[target];
+    });
+    newest[target] = done;
+    return done;
   };
 
   async function loadHeatmaps(metrics) {
@@ -263,7 +272,11 @@ export function renderRun(main, run) {
     if (a) zoomTo(a);
   }
 
+  let shownRange = rangeKey(); // a scale change that leaves the range as it was reloads nothing
   group.onRange((range) => {
+    const key = rangeKey();
+    if (key === shownRange) return;
+    shownRange = key;
     charts.dataset.xMin = range ? String(Math.round(range[0])) : "";
     charts.dataset.xMax = range ? String(Math.round(range[1])) : "";
     zoomNote.textContent = range ? `steps ${fmtInt(Math.round(range[0]))}–${fmtInt(Math.round(range[1]))}` : "all steps";
