@@ -6,6 +6,7 @@
 // The left margin equals the charts' y axis, so columns line up with their steps.
 import { Y_AXIS_PX } from "./charts.js";
 import { el, fmtNum } from "./format.js";
+import { fewestLateColumns } from "./noise.js";
 
 const DIVERGING = [[49, 99, 196], [38, 42, 54], [242, 169, 59], [255, 72, 72]]; // <1, 1, >1, >>1
 const SEQUENTIAL = [[30, 34, 48], [46, 110, 160], [110, 190, 140], [250, 220, 90]];
@@ -160,8 +161,8 @@ export class Heatmap {
   }
 
   // The rank that stands out most over the cells shown, in words (data-rank for tests): of the ranks
-  // above their neutral band in at least two columns (a line, not a one-off dot), the one with the most
-  // excess over all of them.
+  // above their neutral band in more columns than noise gives (a line, not a few stray dots: see
+  // noise.js), the one with the most excess over all of them.
   _summarise(d) {
     const s = this.summary;
     s.dataset.rank = "";
@@ -172,7 +173,7 @@ export class Heatmap {
     let best = null;
     d.values.forEach((row, r) => {
       const above = row.map((v, c) => (v !== null && v - 1 > this._band(r, c) ? v - 1 : null)).filter((x) => x !== null);
-      if (above.length < 2) return;
+      if (above.length < fewestLateColumns(row.filter((v) => v !== null).length)) return;
       const excess = above.reduce((a, b) => a + b, 0);
       if (best === null || excess > best.excess) best = { rank: d.ranks[r], excess, columns: above.length, of: row.filter((v) => v !== null).length };
     });
