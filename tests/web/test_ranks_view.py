@@ -34,6 +34,11 @@ SCRIPT = WEB / "tests" / "ranks.mjs"
 SLOW_RANK, SLOW_FROM, STEPS = 1, 40, 150
 # Long enough that "1% of cells" is a rate, not a single cell: 100 columns of 8 steps x 4 ranks.
 HEALTHY_STEPS = 800
+# The healthy run's loader time per step. At the default 5 ms a step is ~10 ms of which half is CPU, and 4
+# ranks on CI's 2 cores took turns: a rank descheduled for a few ms was really late by 30% of a step, and
+# 1-2% of cells left the band (two CI failures). A real step is mostly device time; a longer wait per step
+# keeps the 4 ranks off each other's cores, so what is left is the timing noise the band is for.
+HEALTHY_DATA_MS = 25.0
 RANK_WAIT_S = 120.0
 BROWSER_TIMEOUT_S = 100.0
 
@@ -52,7 +57,7 @@ def seen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     try:
         for run, world, fault, steps, extra in (
             (slow, 2, "slow_data", STEPS, {"fault_rank": SLOW_RANK, "fault_data_ms": 60.0, "buffers": True}),
-            (healthy, 4, "none", HEALTHY_STEPS, {"fault_rank": -1}),
+            (healthy, 4, "none", HEALTHY_STEPS, {"fault_rank": -1, "data_ms": HEALTHY_DATA_MS}),
         ):
             (tmp / run).mkdir()
             with ranks(
