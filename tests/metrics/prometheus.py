@@ -29,16 +29,17 @@ def require_prometheus() -> tuple[str, str]:
 
 
 class Prometheus:
-    def __init__(self, directory: Path, target: str, rules: Path | None = None) -> None:
+    def __init__(self, directory: Path, target: str | list[str], rules: Path | None = None) -> None:
         self.binary, _ = require_prometheus()
         self.port = free_port()
         self.directory = directory
         self.config = directory / "prometheus.yml"
+        targets = [target] if isinstance(target, str) else target
         rule_files = f"rule_files: [{json.dumps(str(rules))}]\n" if rules else ""
         self.config.write_text(
             "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n"
             f"{rule_files}"
-            f"scrape_configs:\n  - job_name: {JOB}\n    static_configs:\n      - targets: [{json.dumps(target)}]\n"
+            f"scrape_configs:\n  - job_name: {JOB}\n    static_configs:\n      - targets: {json.dumps(targets)}\n"
         )
         self.process: subprocess.Popen[bytes] | None = None
         self.log = directory / "prometheus.log"

@@ -15,6 +15,7 @@ from stepwatch_server.grafana import generate
 from stepwatch_server.grafana.dashboards import DASHBOARDS
 from stepwatch_server.grafana.panels import POSTGRES_TYPE, PROMETHEUS_TYPE, panel_queries
 from stepwatch_server.grafana.provisioning import POSTGRES_UID, PROMETHEUS_UID
+from tests.metrics.prometheus import require_prometheus
 
 DIR = generate.REPO / "dashboards"
 COMPOSE = generate.REPO / "docker-compose.yml"
@@ -23,6 +24,7 @@ UIDS = {
     "ranks": "stepwatch-ranks",
     "numerics": "stepwatch-numerics",
     "collector": "stepwatch-collector",
+    "scale": "stepwatch-scale",
 }
 
 
@@ -80,8 +82,28 @@ def test_compose_stack_has_every_service_with_healthchecks_and_volumes() -> None
     )
     assert services["detect"]["command"][0] == "detect" and "--metrics-port" in services["detect"]["command"]
     assert "--appendonly" in services["redis"]["command"] and "yes" in services["redis"]["command"]
-    scrape = (generate.REPO / "dashboards/prometheus/prometheus.yml").read_text()
-    assert "collector:8000" in scrape
+    # Prometheus scrapes the collector, and finds the profile's replica and every worker by DNS (any count).
+    scrape = yaml.safe_load((DIR / "prometheus/prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in scrape["scrape_configs"]}
+    assert jobs["stepwatch"]["static_configs"][0]["targets"] == ["collector:8000"]
+    found = {
+        (name, sd["port"])
+        for job in jobs.values()
+        for sd in job.get("dns_sd_configs", [])
+        for name in sd["names"]
+    }
+    assert found == {("collector-2", 8000), ("detect", int(services["detect"]["command"][2]))}, found
+    assert all(name.startswith("stepwatch") for name in jobs)  # the dashboards match job=~"stepwatch.*"
+
+
+def test_promtool_accepts_the_compose_stacks_prometheus_configuration() -> None:
+    _, promtool = require_prometheus()
+    checked = subprocess.run(
+        [promtool, "check", "config", "--syntax-only", str(DIR / "prometheus/prometheus.yml")],
+        capture_output=True,
+        timeout=30,
+    )
+    assert checked.returncode == 0, checked.stdout.decode() + checked.stderr.decode()
 
 
 def test_docker_compose_config_accepts_the_file() -> None:

@@ -13,10 +13,17 @@ from typing import Any
 import pytest
 
 from stepwatch_server.cli import main
+from stepwatch_server.grafana.dashboards import DASHBOARDS
 from stepwatch_server.grafana.generate import REPO
 
 TOKEN = "glsa_test_token"
-DASHBOARD_UIDS = {"stepwatch-run-overview", "stepwatch-ranks", "stepwatch-numerics", "stepwatch-collector"}
+DASHBOARD_UIDS = {
+    "stepwatch-run-overview",
+    "stepwatch-ranks",
+    "stepwatch-numerics",
+    "stepwatch-collector",
+    "stepwatch-scale",
+}
 
 
 class FakeGrafana:
@@ -124,7 +131,7 @@ def test_push_creates_then_updates_the_folder_datasources_and_dashboards(
         ("POST", "/api/datasources"),
         ("GET", "/api/datasources/uid/stepwatch-postgres"),
         ("POST", "/api/datasources"),
-        *[("POST", "/api/dashboards/db")] * 4,
+        *[("POST", "/api/dashboards/db")] * len(DASHBOARDS),
     ]
     assert fake.folders["stepwatch"]["title"] == "Training runs"
     pg = fake.datasources["stepwatch-postgres"]
@@ -156,9 +163,9 @@ def test_push_creates_then_updates_the_folder_datasources_and_dashboards(
         ("PUT", "/api/datasources/uid/stepwatch-prometheus"),
         ("GET", "/api/datasources/uid/stepwatch-postgres"),
         ("PUT", "/api/datasources/uid/stepwatch-postgres"),
-        *[("POST", "/api/dashboards/db")] * 4,
+        *[("POST", "/api/dashboards/db")] * len(DASHBOARDS),
     ]
-    assert len(fake.folders) == 1 and len(fake.datasources) == 2 and len(fake.dashboards) == 4
+    assert len(fake.folders) == 1 and len(fake.datasources) == 2 and len(fake.dashboards) == len(DASHBOARDS)
     assert (
         json.dumps(fake.datasources, sort_keys=True),
         json.dumps(fake.dashboards, sort_keys=True),

@@ -490,3 +490,44 @@ def test_with_no_worker_on_the_bus_ingest_refuses_once_the_backlog_passes_its_bo
                 collector.close()
     finally:
         redis_server.stop()
+
+
+def test_a_real_prometheus_scraping_a_replica_and_a_worker_fills_every_panel_of_the_scale_dashboard(
+    tmp_path: Path,
+) -> None:
+    """dashboards/scale.json (README, "Running at scale"): each of its PromQL expressions returns data from a
+    Prometheus that scrapes one `serve --bus` and one `detect --metrics-port`, as the compose stack's does."""
+    from stepwatch_server.grafana.generate import REPO
+    from stepwatch_server.grafana.panels import PROMETHEUS_TYPE, panel_queries
+    from tests.metrics.prometheus import Prometheus
+    from tests.metrics.sql import expand_promql
+
+    port = _free_port()
+    runs = [f"bus-scale-{i}" for i in range(4)]
+    with _deployment(tmp_path, replicas=1, workers=1, metrics_ports=(port,)) as (
+        _,
+        redis_server,
+        replicas,
+        _,
+    ):
+        prometheus = Prometheus(tmp_path, [f"127.0.0.1:{replicas[0].port}", f"127.0.0.1:{port}"]).start()
+        try:
+            for run in runs:
+                status, data = replicas[0].request(
+                    "POST", "/api/v1/ingest", gzip.compress(orjson.dumps(nan_batch(run)))
+                )
+                assert status == 200, data
+            _wait_caught_up(redis_server.url, replicas)
+            prometheus.wait_for(f'stepwatch_detect_batches_total{{outcome="processed"}} == {len(runs)}', 60.0)
+            prometheus.wait_for(f"stepwatch_bus_published_batches_total == {len(runs)}", 60.0)
+            time.sleep(2.5)  # a few more scrapes: rate() needs two samples of each counter
+            doc = orjson.loads((REPO / "dashboards" / "scale.json").read_bytes())
+            queries = [(title, q) for title, kind, q in panel_queries(doc) if kind == PROMETHEUS_TYPE]
+            assert queries
+            empty = [(title, q) for title, q in queries if not prometheus.query(expand_promql(q, runs[0]))]
+            assert not empty, f"scale.json: queries that returned nothing: {empty}"
+            (workers,) = prometheus.query("count(stepwatch_detect_streams_owned)")
+            (owned,) = prometheus.query("sum(stepwatch_detect_streams_owned)")
+            assert float(workers["value"][1]) == 1 and float(owned["value"][1]) == streams.PARTITIONS
+        finally:
+            prometheus.stop()

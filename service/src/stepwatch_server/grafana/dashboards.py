@@ -1,9 +1,9 @@
-"""The four stepwatch dashboards, as code. `generate.py` writes them to dashboards/*.json.
+"""The five stepwatch dashboards, as code. `generate.py` writes them to dashboards/*.json.
 
 Live aggregates come from Prometheus (the run-health gauges and self-metrics of /metrics, with the
 cardinality budget of metrics/run_health.py); per-step, per-rank history comes from PostgreSQL
 through the SQL of panels.py. Each dashboard has a stable uid, a Prometheus and a PostgreSQL
-datasource variable, and (except Collector) a `run` variable read from PostgreSQL.
+datasource variable, and (except Collector and Scale) a `run` variable read from PostgreSQL.
 """
 
 from __future__ import annotations
@@ -418,9 +418,84 @@ def collector() -> dashboard.Dashboard:
     )
 
 
+def scale() -> dashboard.Dashboard:
+    """A deployment on the bus: the replicas' side (what they published, what waits for Redis, the streams'
+    backlog) and each detection worker's (streams, batches, lag, take-overs, errors), by instance."""
+    return (
+        _base(
+            "stepwatch-scale",
+            "stepwatch / Scale",
+            "Ingest replicas on the bus (serve --bus) and the detection workers (detect): README, Running at scale.",
+            run_variable=False,
+        )
+        .with_panel(prom_stat("Bus connected (all replicas)", "none", "min(stepwatch_bus_connected)"))
+        .with_panel(prom_stat("Stream backlog", "none", "max(stepwatch_bus_stream_backlog_entries)"))
+        .with_panel(prom_stat("Detection workers", "none", "count(stepwatch_detect_streams_owned)"))
+        .with_panel(
+            prom_timeseries(
+                "Batches published to the bus / s, per replica",
+                "none",
+                promql(
+                    f"sum by (instance) (rate(stepwatch_bus_published_batches_total[{RATE}]))", "{{instance}}"
+                ),
+            )
+        )
+        .with_panel(
+            prom_timeseries(
+                "Backlog, and batches kept for Redis per replica",
+                "none",
+                promql("max(stepwatch_bus_stream_backlog_entries)", "stream backlog"),
+                promql("sum by (instance) (stepwatch_bus_waiting_batches)", "kept by {{instance}}", "B"),
+                description="The backlog: entries no worker has taken yet (429 beyond 200,000). Kept: stored "
+                "batches a replica holds while Redis does not answer (429 beyond 20,000).",
+            )
+        )
+        .with_panel(
+            prom_timeseries(
+                "Worker: batches / s by outcome",
+                "none",
+                promql(
+                    f"sum by (instance, outcome) (rate(stepwatch_detect_batches_total[{RATE}]))",
+                    "{{instance}} {{outcome}}",
+                ),
+            )
+        )
+        .with_panel(
+            prom_timeseries(
+                "Worker: streams owned and runs held",
+                "none",
+                promql("sum by (instance) (stepwatch_detect_streams_owned)", "streams {{instance}}"),
+                promql("sum by (instance) (stepwatch_detect_runs)", "runs {{instance}}", "B"),
+                description="16 streams in all; a dead worker's streams move to the others within 10 s.",
+            )
+        )
+        .with_panel(
+            prom_timeseries(
+                "Worker: detection lag (ingest answer to anomalies stored)",
+                "s",
+                promql(
+                    "max by (instance, quantile) (stepwatch_detect_lag_seconds)", "p{{quantile}} {{instance}}"
+                ),
+            )
+        )
+        .with_panel(
+            prom_timeseries(
+                "Worker: take-overs, snapshots and errors / s",
+                "none",
+                promql(f"sum(rate(stepwatch_detect_takeovers_total[{RATE}]))", "take-overs"),
+                promql(f"sum(rate(stepwatch_detect_snapshots_total[{RATE}]))", "snapshots", "B"),
+                promql(f"sum(rate(stepwatch_detect_errors_total[{RATE}]))", "errors", "C"),
+            )
+        )
+    )
+
+
 DASHBOARDS: dict[str, Callable[[], dashboard.Dashboard]] = {
     "run-overview": run_overview,
     "ranks": ranks,
     "numerics": numerics,
     "collector": collector,
+    "scale": scale,
 }
+# The dashboards whose metrics only a deployment on the bus serves (a single collector has none of them).
+ON_THE_BUS = frozenset({"scale"})
