@@ -131,6 +131,10 @@ class Replica(Process):
             assert time.monotonic() < deadline, f"the collector did not start: {log.read_text()[-3000:]}"
             time.sleep(0.1)
 
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
     def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
         headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"} if body else {}
         for attempt in range(2):
@@ -531,3 +535,27 @@ def test_a_real_prometheus_scraping_a_replica_and_a_worker_fills_every_panel_of_
             assert float(workers["value"][1]) == 1 and float(owned["value"][1]) == streams.PARTITIONS
         finally:
             prometheus.stop()
+
+
+def test_a_rank_that_stops_stepping_is_a_hang_the_bus_worker_finds(tmp_path: Path) -> None:
+    """A hang is the absence of steps: the worker that owns the run's stream finds it from the heartbeats that
+    keep arriving (the stuck rank's sender and the ranks waiting in the collective), as the single process does.
+    A real 4-rank gloo run (tests/e2e/fault_ranks.py) whose rank 1 stops at step 20 feeds a replica on the bus;
+    the worker opens one hang blaming rank 1, stuck (its sender still sends heartbeats). Not covered here: a run
+    whose every rank goes silent, found on the worker's tick after `silent_after_s` (300 s)."""
+    from tests.e2e.test_detection_real import WAIT_S, ranks
+
+    run = f"bus-hang-{os.getpid()}"
+    with _deployment(tmp_path, replicas=1, workers=1) as (_, _, replicas, _):
+        replica = replicas[0]
+        hangs: list[dict[str, Any]] = []
+        with ranks(replica, tmp_path, run, "stop", fault_rank=1, fault_step=20, steps=100_000):  # type: ignore[arg-type]
+            deadline = time.monotonic() + WAIT_S
+            while not hangs and time.monotonic() < deadline:
+                found = (replica.get(f"/api/v1/runs/{run}/anomalies?limit=1000") or {}).get("anomalies", [])
+                hangs = [a for a in found if a["kind"] == "hang"]
+                time.sleep(0.25)
+        assert len(hangs) == 1, hangs
+        (hang,) = hangs
+        assert hang["rank"] == 1 and hang["evidence"]["culprits"] == [1], hang
+        assert hang["evidence"]["mode"] == "stuck", hang
