@@ -72,6 +72,18 @@ def batch(run: str, session: str, rank: int, ranks: int, seq: int) -> bytes:
     return gzip.compress(json.dumps(doc, separators=(",", ":")).encode(), compresslevel=1)
 
 
+HEADERS = {"Content-Type": "application/json", "Content-Encoding": "gzip"}  # a gzipped ingest batch
+
+
+def connections(urls: list[str], timeout_s: float = REQUEST_TIMEOUT_S) -> list[http.client.HTTPConnection]:
+    """One keep-alive connection to each collector URL (a sender thread's own)."""
+    out = []
+    for url in urls:
+        parts = urlsplit(url)
+        out.append(http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s))
+    return out
+
+
 def send_all(
     url: str | list[str], bodies: list[bytes], senders: int, route: list[int] | None = None
 ) -> tuple[float, list[float]]:
@@ -85,11 +97,8 @@ def send_all(
     failures: list[str] = []
 
     def sender() -> None:
-        conns = []
-        for u in urls:
-            parts = urlsplit(u)
-            conns.append(http.client.HTTPConnection(parts.hostname, parts.port, timeout=REQUEST_TIMEOUT_S))
-        headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+        conns = connections(urls)
+        headers = HEADERS
         try:
             while True:
                 with lock:
