@@ -8,11 +8,12 @@ shape, bench/batch_rate.py) at r/W x 2 s + 2k s, to replica r mod K. A pool of `
 batch when it is due, not when the last answer came back (open loop), and its latency counts from when it was
 due, so a send that waited for a free thread is late too (no coordinated omission). A level holds when every
 batch was acknowledged, the p99 latency is <= `--p99-ms` and the bus's backlog is back to 0 within `--drain-s`
-of the last answer. The p99 is over the steady state, each rank's batches after its first (one more round is sent
-first: W new sessions within 2 s, as when a run starts); that first round's p99 is reported beside it. The ramp stops at the first level that does not hold; the capacity is the last that held.
-The load generator runs on the same machine as everything else: its CPU is counted and reported.
+of the last answer. The p99 is over the steady state, each rank's batches after its first (one more round is
+sent first: W new sessions within 2 s, as when a run starts); that first round's p99 is reported beside it. The
+ramp stops at the first level that does not hold; the capacity is the last that held. The load generator runs
+on the same machine as everything else: its CPU, the processes' and the whole machine's are reported.
 
-    .venv/bin/python bench/capacity.py                                 # 1x1 and 2x2, ~6 min
+    .venv/bin/python bench/capacity.py --factor 1.25                   # 1x1 and 2x2, ~6 min (bench/README.md)
     .venv/bin/python bench/capacity.py --configs 1x1 --start 512 --factor 1.25 --json capacity.json
 """
 
@@ -37,6 +38,11 @@ from stepwatch_server.bus import streams
 
 CADENCE_S = 2.0  # the agent's default flush interval up to 4,000 ranks
 REQUEST_TIMEOUT_S = 30.0
+
+
+def quantile_ms(ordered: list[float], q: float) -> float:
+    """The q-quantile of sorted seconds, in ms (nan when there are none)."""
+    return ordered[int(q * (len(ordered) - 1))] * 1000 if ordered else float("nan")
 
 
 def machine_busy_s() -> float:
@@ -156,15 +162,15 @@ def level(urls: list[str], pids: list[int], bus: str, world: int, args: argparse
     client.close()
     lat = sorted(t for first, t in latencies if not first)  # steady state: each rank's session exists
     start = sorted(t for first, t in latencies if first)  # the round that starts W sessions within 2 s
-    p99_ms = lat[int(0.99 * (len(lat) - 1))] * 1000 if lat else float("nan")
+    p99_ms = quantile_ms(lat, 0.99)
     holds = not failures and p99_ms <= args.p99_ms and not left
     return {
         "world": world,
         "batches": len(plan),
         "offered_per_s": world / CADENCE_S,
         "batches_per_s": len(latencies) / wall,
-        "first_round_p99_ms": start[int(0.99 * (len(start) - 1))] * 1000 if start else float("nan"),
-        "p50_ms": lat[len(lat) // 2] * 1000 if lat else float("nan"),
+        "first_round_p99_ms": quantile_ms(start, 0.99),
+        "p50_ms": quantile_ms(lat, 0.5),
         "p99_ms": p99_ms,
         "failures": len(failures),
         "failure_example": failures[0] if failures else None,
@@ -235,14 +241,11 @@ def main() -> None:
     if args.factor <= 1.0 or args.start < 1:
         raise SystemExit("--factor must be > 1 and --start >= 1")
     results = []
-    for config in args.configs.split(","):
-        k, _, m = config.partition("x")
-        if not (k.isdigit() and m.isdigit() and int(k) >= 1 and int(m) >= 1):
-            raise SystemExit(f"--configs: expected KxM such as 2x2, got {config!r}")
+    for k, m in fan_in.parse_configs(args.configs):
         print(
             f"{k} ingest x {m} workers, from {args.start} ranks, {args.seconds:.0f} s a level ...", flush=True
         )
-        out = ramp(int(k), int(m), args)
+        out = ramp(k, m, args)
         results.append(out)
         print(f"  capacity: {out['capacity']} ranks at p99 <= {args.p99_ms:.0f} ms", flush=True)
     if args.json:

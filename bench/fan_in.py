@@ -205,6 +205,17 @@ def measure(ingest: int, workers: int, args: argparse.Namespace) -> dict[str, An
     }
 
 
+def parse_configs(text: str) -> list[tuple[int, int]]:
+    """`--configs`: comma-separated KxM (K ingest processes x M detection workers, each >= 1)."""
+    out = []
+    for config in text.split(","):
+        k, _, m = config.partition("x")
+        if not (k.isdigit() and m.isdigit() and int(k) >= 1 and int(m) >= 1):
+            raise SystemExit(f"--configs: expected KxM such as 2x2, got {config!r}")
+        out.append((int(k), int(m)))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -218,12 +229,9 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="write the results here too")
     args = p.parse_args()
     results = []
-    for config in args.configs.split(","):
-        k, _, m = config.partition("x")
-        if not (k.isdigit() and m.isdigit() and int(k) >= 1 and int(m) >= 1):
-            raise SystemExit(f"--configs: expected KxM such as 2x2, got {config!r}")
+    for k, m in parse_configs(args.configs):
         print(f"{k} ingest x {m} workers, {args.ranks} ranks ...", flush=True)
-        out = measure(int(k), int(m), args)
+        out = measure(k, m, args)
         results.append(out)
         print(
             f"  {out['batches_per_s']:.0f} batches/s ({out['values_per_s']:,.0f} values/s), "
