@@ -32,7 +32,9 @@ ToStep = Annotated[int | None, Query(ge=0, le=MAX_STEP, description="last step (
 MaxPoints = Annotated[int, Query(ge=2, le=MAX_POINTS_CAP, description="per series; min-max downsampling")]
 
 
-def no_nul_in_parameters(request: Request) -> None:
+async def no_nul_in_parameters(request: Request) -> None:
+    """Async, so that FastAPI runs it on the event loop: a sync dependency costs every request (each
+    ingest batch too) a hand-over to the thread pool and back, for a check of a few microseconds."""
     for name, value in (*request.query_params.multi_items(), *request.path_params.items()):
         if "\x00" in str(value):
             raise InvalidParameter(
