@@ -18,7 +18,6 @@ from starlette.requests import Request
 from stepwatch_server.errors import BadRequest, InvalidBatch, PayloadTooLarge, UnsupportedMediaType
 
 _GZIP_WBITS = 16 + zlib.MAX_WBITS
-EXACT_DUPLICATE_CHECK_BYTES = 64 * 1024
 
 
 async def read_body_bounded(request: Request, limit: int) -> bytes:
@@ -96,16 +95,17 @@ def decode_body(raw: bytes, content_encoding: str | None, limit: int) -> Any:
                 f"the body is not valid UTF-8 (invalid byte at offset {uexc.start})", code="invalid_encoding"
             ) from None
         raise BadRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from None
-    # A key given twice: 422. A small body is parsed again keeping every key (~20 us for an agent's
-    # batch); a large one has its keys counted as written and as kept (~4 ms for 7 MB, against ~100 ms
-    # for a second parse) and is parsed again only where the counts differ.
-    if len(data) <= EXACT_DUPLICATE_CHECK_BYTES or _keys_written(data) != _keys_kept(doc):
+    # A key given twice: 422. The keys are counted as written and as kept (~18 us for an agent's 2 KB
+    # batch against ~48 us for a second parse keeping every key; ~4 ms for 7 MB against ~100 ms), and
+    # the body is parsed again, to name the key, only where the counts differ.
+    if _keys_written(data) != _keys_kept(doc):
         _refuse_duplicate_keys(data)
     return doc
 
 
-# A key as written: a JSON string followed by a colon (a string value is followed by , ] or } instead).
-_KEY = re.compile(rb'"(?:[^"\\]|\\.)*"\s*:')
+# A key as written: a JSON string followed by a colon (a string value is followed by , ] or } instead);
+# the string's body as an unrolled loop, about twice as fast as an alternation per character.
+_KEY = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"\s*:')
 
 
 def _keys_written(data: bytes) -> int:
