@@ -102,3 +102,62 @@ def test_any_json_value_in_any_field_is_stored_or_rejected_in_the_error_shape_ne
     check()
     print(f"\nanswers by status: {dict(sorted(answers.items()))}")
     assert len(answers) >= 2, answers  # the generator reached both sides: stored and rejected
+
+
+numbers = st.integers(min_value=-(2**70), max_value=2**70) | st.floats()
+odd_items = st.sampled_from([None, "NaN", "Infinity", "x", True, [1.0]])
+
+
+@st.composite
+def value_columns(draw: Any) -> tuple[dict[str, Any], int]:
+    """Columns of `expected` numbers mostly (the 2-D path), some with an odd item or a wrong length."""
+    expected = draw(st.integers(min_value=0, max_value=4))
+    names = draw(
+        st.lists(st.sampled_from(["loss", "grad_norm", "lr", "bad name", "time.step_ms"]), max_size=4)
+    )
+    columns = {}
+    for name in names:
+        items = draw(st.lists(numbers, min_size=expected, max_size=expected))
+        if draw(st.integers(0, 5)) == 0:
+            items = draw(st.lists(numbers | odd_items, max_size=5))
+        columns[name] = items
+    return columns, expected
+
+
+@hypothesis.settings(max_examples=300, deadline=None, derandomize=True)
+@hypothesis.given(case=value_columns())
+def test_value_columns_parsed_together_equal_each_parsed_alone(case: tuple[dict[str, Any], int]) -> None:
+    """The metrics (and each stat's tensors) are parsed as one 2-D array when every column is numbers of
+    the right length: the same values, bit for bit, as parsing each column alone, and a refusal where
+    that refuses."""
+    import numpy as np
+
+    from stepwatch_server.errors import InvalidBatch
+    from stepwatch_server.ingest.validate import _columns, _name, _value_column
+
+    columns, expected = case
+
+    def alone() -> dict[str, Any]:
+        return {
+            _name(n, f"metrics.{n}"): _value_column(c, f"metrics.{n}", expected, "steps")
+            for n, c in columns.items()
+        }
+
+    outcomes = []
+    for parse in (lambda: _columns(columns, "metrics", expected, "steps"), alone):
+        try:
+            outcomes.append(parse())
+        except InvalidBatch as exc:
+            outcomes.append(str(exc))
+    together, each = outcomes
+    if isinstance(each, str) or isinstance(together, str):
+        # Both refuse (which field is named first may differ when one column's name and another's
+        # values are bad: names are now checked first).
+        assert isinstance(each, str) and isinstance(together, str)
+        return
+    assert together.keys() == each.keys()
+    for name in each:
+        assert together[name].values.tobytes() == each[name].values.tobytes()
+        assert (together[name].present is None) == (each[name].present is None)
+        if each[name].present is not None:
+            assert np.array_equal(together[name].present, each[name].present)

@@ -8,6 +8,7 @@ strings take the slower per-element path.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -226,13 +227,30 @@ class _Budget:
             )
 
 
+def _columns(raw: dict[str, Any], path: str, expected: int, of: str) -> dict[str, Column]:
+    """Named value columns of `expected` values each. The common case (every column an array of numbers
+    of the right length) becomes one 2-D array in one call, each column a row of it; anything else
+    goes column by column (`_value_column`), which names what is wrong."""
+    names = [_name(name, f"{path}.{name}") for name in raw]
+    cols = list(raw.values())
+    whole = cols and all(type(c) is list and len(c) == expected for c in cols)
+    if whole and set(map(type, itertools.chain.from_iterable(cols))) <= _NUMBER_TYPES:
+        try:
+            table = np.array(cols, dtype=np.float64).reshape(len(cols), expected)
+        except OverflowError:
+            pass  # an integer beyond float range; the column path names it
+        else:
+            return {name: Column(row) for name, row in zip(names, table, strict=True)}
+    return {
+        name: _value_column(col, f"{path}.{name}", expected, of)
+        for name, col in zip(names, cols, strict=True)
+    }
+
+
 def _metrics(value: Any, steps: np.ndarray, budget: _Budget) -> dict[str, Column]:
     raw = _object(value, "metrics")
     budget.take(len(raw) * steps.shape[0])
-    return {
-        _name(name, f"metrics.{name}"): _value_column(col, f"metrics.{name}", steps.shape[0], "steps")
-        for name, col in raw.items()
-    }
+    return _columns(raw, "metrics", steps.shape[0], "steps")
 
 
 def _tensors(
@@ -249,12 +267,7 @@ def _tensors(
         _name(stat, f"tensors.stats.{stat}")
         names = _object(by_name, f"tensors.stats.{stat}")
         budget.take(len(names) * n)
-        stats[stat] = {
-            _name(name, f"tensors.stats.{stat}.{name}"): _value_column(
-                col, f"tensors.stats.{stat}.{name}", n, "tensors.steps"
-            )
-            for name, col in names.items()
-        }
+        stats[stat] = _columns(names, f"tensors.stats.{stat}", n, "tensors.steps")
     return tsteps, stats
 
 
