@@ -267,3 +267,28 @@ def test_postgresql_stopped_mid_run_503_then_every_step_arrives(
     finally:
         watch.close(timeout_s=1)
         collector.stop()
+
+
+@pytest.mark.postgres
+def test_a_postgresql_restart_between_two_batches_costs_the_second_no_503(
+    private_postgres: PrivatePostgres, tmp_path: Path
+) -> None:
+    """The collector pings no pooled connection before using it (a round trip per transaction): the
+    connection the restart killed fails the next write, which is written again at once on a new one, so
+    the agent sees no error. Every value once, and /healthz stays 200."""
+    collector = Collector(private_postgres.url, free_port(), tmp_path / "c.log").start()
+    session = uuid.uuid4().hex
+    try:
+        for seq in range(3):  # warm the pool: several connections opened before the restart
+            status, _, answer = post(collector.url, wide_batch("restart", session, seq, 100 * seq, steps=100))
+            assert status == 200 and answer["rows"] == 2_000, answer
+        private_postgres.stop()
+        private_postgres.start()
+        status, _, answer = post(collector.url, wide_batch("restart", session, 3, 300, steps=100))
+        assert status == 200 and answer["rows"] == 2_000, answer
+        status, _, answer = post(collector.url, wide_batch("restart", session, 3, 300, steps=100))
+        assert status == 200 and answer["duplicates"] == 2_000, answer  # sent again: stored once
+        assert healthz(collector.url)[0] == 200
+        assert sorted(series(collector, "restart", "m7")) == list(range(400))
+    finally:
+        collector.stop()

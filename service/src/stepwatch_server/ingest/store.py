@@ -52,7 +52,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.exc import TimeoutError as DatabaseTimeout
 
 from stepwatch_server.errors import InvalidBatch
@@ -311,6 +311,12 @@ def insert_points(conn: Connection, rows: Sequence[PointRow] | Sequence[Mapping[
             conn.exec_driver_sql(_INSERT_POINTS_SQLITE, list(chunk))
 
 
+def _lost_connection(error: Exception | None) -> bool:
+    """The write failed because its pooled connection was dead (nothing of it committed, or, should the
+    commit itself have been lost, the batch's idempotency record makes the next write a duplicate)."""
+    return isinstance(error, DBAPIError) and error.connection_invalidated
+
+
 def _utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
@@ -558,6 +564,11 @@ class BatchWriter:
                     self._groups += 1
                     self._grouped += len(part)
                 self._write_group(part)
+                stale = [item for item in part if _lost_connection(item.error)]
+                if stale:  # the database restarted since the connection was pooled: once more, anew
+                    for item in stale:
+                        item.error = None
+                    self._write_group(stale)
                 part, values = [], 0
             if item is not None:
                 part.append(item)

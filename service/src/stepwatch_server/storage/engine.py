@@ -5,7 +5,11 @@ timeout so that a second process waits instead of failing, foreign keys on, and 
 because a batch is acknowledged only once it is durable. SQLite has one writer at a time; inside
 this process writers queue on `write_lock()` rather than spinning on SQLITE_BUSY, and write
 transactions start with BEGIN IMMEDIATE so that a read-then-write transaction never has to upgrade
-its lock (the classic SQLite deadlock). PostgreSQL is reached through psycopg 3.
+its lock (the classic SQLite deadlock). PostgreSQL is reached through psycopg 3, without a ping
+before each use of a pooled connection (a round trip for every ingest transaction: a seventh of them
+at the agent's cadence): a connection that died with a database restart fails its first statement,
+SQLAlchemy then discards every connection of the pool opened before, and ingest writes the batch again
+once on a new connection (ingest/store.py `BatchWriter.write_group`); a read answers 503 once.
 """
 
 from __future__ import annotations
@@ -53,7 +57,6 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     if parsed.get_backend_name() == "postgresql":
         kwargs.setdefault("pool_size", 10)
         kwargs.setdefault("max_overflow", 20)
-        kwargs.setdefault("pool_pre_ping", True)
         return create_engine(url, **kwargs)
     raise ValueError(
         f"unsupported database URL {parsed.render_as_string(hide_password=True)!r}: "
