@@ -15,6 +15,7 @@ on the same machine as everything else: its CPU, the processes' and the whole ma
 
     .venv/bin/python bench/capacity.py --factor 1.25                   # 1x1 and 2x2, ~6 min (bench/README.md)
     .venv/bin/python bench/capacity.py --configs 1x1 --start 512 --factor 1.25 --json capacity.json
+    .venv/bin/python bench/capacity.py --configs 1x1 --start 320 --factor 1.25 --ref HEAD~3   # side by side
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import _refs
 import _servers
 import batch_rate
 import fan_in
@@ -185,11 +187,11 @@ def level(urls: list[str], pids: list[int], bus: str, world: int, args: argparse
     }
 
 
-def ramp(ingest: int, workers: int, args: argparse.Namespace) -> dict[str, Any]:
+def ramp(ingest: int, workers: int, args: argparse.Namespace, source: Path | None = None) -> dict[str, Any]:
     levels: list[dict[str, Any]] = []
     with (
         tempfile.TemporaryDirectory() as tmp,
-        fan_in.deployment(ingest, workers, Path(tmp)) as (serving, wpids, bus),
+        fan_in.deployment(ingest, workers, Path(tmp), source) as (serving, wpids, bus),
     ):
         urls = [u for u, _ in serving]
         ingest_pids = [p for _, p in serving]
@@ -236,18 +238,25 @@ def main() -> None:
         "--drain-s", type=float, default=30.0, help="backlog back to 0 within (default %(default)s)"
     )
     p.add_argument("--senders", type=int, default=96, help="client threads (default %(default)s)")
+    p.add_argument(
+        "--ref",
+        help="also ramp this commit's collector (a worktree, bench/_refs.py) after this tree's, per configuration",
+    )
     p.add_argument("--json", type=Path, help="write the results here too")
     args = p.parse_args()
     if args.factor <= 1.0 or args.start < 1:
         raise SystemExit("--factor must be > 1 and --start >= 1")
     results = []
+    trees = [("this tree", None)] + ([(f"ref {args.ref}", _refs.worktree(args.ref))] if args.ref else [])
     for k, m in fan_in.parse_configs(args.configs):
-        print(
-            f"{k} ingest x {m} workers, from {args.start} ranks, {args.seconds:.0f} s a level ...", flush=True
-        )
-        out = ramp(k, m, args)
-        results.append(out)
-        print(f"  capacity: {out['capacity']} ranks at p99 <= {args.p99_ms:.0f} ms", flush=True)
+        for label, source in trees:
+            print(
+                f"{label}: {k} ingest x {m} workers, from {args.start} ranks, {args.seconds:.0f} s a level ...",
+                flush=True,
+            )
+            out = ramp(k, m, args, source) | {"tree": label}
+            results.append(out)
+            print(f"  capacity: {out['capacity']} ranks at p99 <= {args.p99_ms:.0f} ms", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -90,9 +90,10 @@ def redis_server(tmp: Path) -> Iterator[str]:
 
 @contextlib.contextmanager
 def deployment(
-    ingest: int, workers: int, tmp: Path
+    ingest: int, workers: int, tmp: Path, source: Path | None = None
 ) -> Iterator[tuple[list[tuple[str, int]], list[int], str]]:
-    """(url, pid) of each ingest process, the workers' pids, the bus URL."""
+    """(url, pid) of each ingest process, the workers' pids, the bus URL; with `source` (a checkout, as
+    bench/_refs.py makes) that tree's collector code runs."""
     with contextlib.ExitStack() as stack:
         db = stack.enter_context(_servers.database("postgres", f"fan_in_{uuid.uuid4().hex[:6]}", tmp))
         bus = stack.enter_context(redis_server(tmp))
@@ -102,7 +103,9 @@ def deployment(
             cmd = [sys.executable, "-m", "stepwatch_server.cli", "serve", "--port", str(port)]
             cmd += ["--database-url", db, "--bus", bus]
             log = stack.enter_context(open(tmp / f"serve-{i}.log", "wb"))
-            process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_servers.child_env())
+            process = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=_servers.child_env(source)
+            )
             stack.callback(_servers._stop, process)
             url = f"http://127.0.0.1:{port}"
             _servers._wait_healthy(url, process, "/healthz")
@@ -111,7 +114,9 @@ def deployment(
         for i in range(workers):
             cmd = [sys.executable, "-m", "stepwatch_server.cli", "detect", "--bus", bus, "--database-url", db]
             log = stack.enter_context(open(tmp / f"detect-{i}.log", "wb"))
-            process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_servers.child_env())
+            process = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=_servers.child_env(source)
+            )
             stack.callback(_servers._stop, process)
             pids.append(process.pid)
         yield serving, pids, bus
