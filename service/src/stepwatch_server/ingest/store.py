@@ -67,7 +67,6 @@ from stepwatch_server.storage.models import (
     Rank,
     Run,
     Series,
-    StepRecord,
 )
 from stepwatch_server.storage.write_health import WriteHealth
 
@@ -123,7 +122,6 @@ class SeriesIds:
 
 RUN_TOUCH_INTERVAL_S = 5.0  # runs.last_seen_at is refreshed at most this often (it is a hot row)
 
-_STEPS: Table = StepRecord.__table__  # type: ignore[assignment]
 _FINGERPRINTS: Table = Fingerprint.__table__  # type: ignore[assignment]
 _EVENTS: Table = Event.__table__  # type: ignore[assignment]
 _SERIES: Table = Series.__table__  # type: ignore[assignment]
@@ -220,7 +218,6 @@ class _Statements:
         self.batches = (
             factory(_BATCHES).on_conflict_do_nothing().returning(_BATCHES.c.session_id, _BATCHES.c.seq)
         )
-        self.steps = factory(_STEPS).on_conflict_do_nothing()
         self.fingerprints = factory(_FINGERPRINTS).on_conflict_do_nothing()
         self.events = _EVENTS.insert()
         self.series = select(Series.stat, Series.name, Series.id).where(
@@ -273,14 +270,39 @@ POINT_COLUMNS = ("series_id", "rank", "step", "incarnation", "value")
 PointRow = tuple[int, int, int, int, float]
 _POINTS_CHUNK_ROWS = 100_000  # bounds the size of one statement's parameters
 PREBUILD_MIN_ROWS = 10_000  # a batch of this many values has its rows built before the write lock
-_INSERT_POINTS_PG = (
+_INSERT_POINTS = (
     f"INSERT INTO points ({', '.join(POINT_COLUMNS)}) "
     "SELECT * FROM unnest(%b::integer[], %b::integer[], %b::bigint[], %b::integer[], %b::float8[]) "
-    "ON CONFLICT DO NOTHING"
+    "ON CONFLICT DO NOTHING",
+    f"INSERT INTO points ({', '.join(POINT_COLUMNS)}) VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
 )
-_INSERT_POINTS_SQLITE = (
-    f"INSERT INTO points ({', '.join(POINT_COLUMNS)}) VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
+STEP_COLUMNS = ("run_id", "rank", "step", "incarnation", "ts")
+_INSERT_STEPS = (
+    f"INSERT INTO steps ({', '.join(STEP_COLUMNS)}) "
+    "SELECT * FROM unnest(%b::integer[], %b::integer[], %b::bigint[], %b::integer[], %b::float8[]) "
+    "ON CONFLICT DO NOTHING",
+    f"INSERT INTO steps ({', '.join(STEP_COLUMNS)}) VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
 )
+# The idempotency records of a group on PostgreSQL: the sessions, seqs and row counts as arrays, one time.
+_INSERT_BATCHES_PG = (
+    "INSERT INTO batches (session_id, seq, received_at, rows) "
+    "SELECT s, q, %b, r FROM unnest(%b::text[], %b::bigint[], %b::integer[]) AS t(s, q, r) "
+    "ON CONFLICT DO NOTHING RETURNING session_id, seq"
+)
+
+
+def insert_tuples(conn: Connection, statements: tuple[str, str], rows: Sequence[tuple[Any, ...]]) -> None:
+    """Rows (tuples in the statements' column order) with the driver, no SQLAlchemy per row or statement:
+    on PostgreSQL one `INSERT ... SELECT FROM unnest(arrays)` per chunk (`statements[0]`, about twice the
+    rate of executemany), the arrays sent in binary (`%b`: psycopg's text dumping of 2,000 rows cost
+    ~13 ms of Python, binary ~3 ms; so a column must not mix ints and floats); on SQLite the driver's
+    executemany of tuples (`statements[1]`, about twice the rate of SQLAlchemy's per-row processing)."""
+    for start in range(0, len(rows), _POINTS_CHUNK_ROWS):
+        chunk = rows[start : start + _POINTS_CHUNK_ROWS]
+        if conn.dialect.name == "postgresql":
+            conn.exec_driver_sql(statements[0], tuple(list(col) for col in zip(*chunk, strict=True)))
+        else:
+            conn.exec_driver_sql(statements[1], list(chunk))
 
 
 def insert_points(conn: Connection, rows: Sequence[PointRow] | Sequence[Mapping[str, Any]]) -> None:
@@ -289,12 +311,9 @@ def insert_points(conn: Connection, rows: Sequence[PointRow] | Sequence[Mapping[
     This is the statement ingest spends its database time in; benchmarks call it directly to
     measure the storage rate without HTTP, parsing or validation. Rows are tuples in
     POINT_COLUMNS order (dicts keyed by those names are accepted too): ints, and a float or None
-    (NULL) value; on PostgreSQL a column must not mix ints and floats (a binary array has one type). A row that already exists
-    is skipped (ON CONFLICT DO NOTHING). The rollups are not touched here: the rollup worker
-    (runs/rollup_worker.py) recomputes them after the commit. PostgreSQL gets one `INSERT ... SELECT FROM unnest(arrays)`
-    per chunk (about twice the rate of executemany), the arrays sent in binary (`%b`: psycopg's text
-    dumping of 2,000 rows cost ~13 ms of Python, binary ~3 ms); SQLite gets the driver's executemany of
-    tuples (about twice the rate of SQLAlchemy's per-row parameter processing).
+    (NULL) value. A row that already exists is skipped (ON CONFLICT DO NOTHING). The rollups are not
+    touched here: the rollup worker (runs/rollup_worker.py) recomputes them after the commit.
+    Written by `insert_tuples`.
     """
     if not rows:
         return
@@ -303,12 +322,30 @@ def insert_points(conn: Connection, rows: Sequence[PointRow] | Sequence[Mapping[
         if isinstance(rows[0], Mapping)
         else rows
     )
-    for start in range(0, len(tuples), _POINTS_CHUNK_ROWS):
-        chunk = tuples[start : start + _POINTS_CHUNK_ROWS]
-        if conn.dialect.name == "postgresql":
-            conn.exec_driver_sql(_INSERT_POINTS_PG, tuple(list(col) for col in zip(*chunk, strict=True)))
-        else:
-            conn.exec_driver_sql(_INSERT_POINTS_SQLITE, list(chunk))
+    insert_tuples(conn, _INSERT_POINTS, cast("Sequence[tuple[Any, ...]]", tuples))
+
+
+def _insert_records(
+    conn: Connection, st: _Statements, batches: Sequence[Batch], now: dt.datetime
+) -> set[tuple[str, int]]:
+    """The idempotency records of `batches` in one statement: the (session, seq) that were new (the
+    others are duplicates). On PostgreSQL as arrays with the driver; on SQLite SQLAlchemy's multi-row
+    INSERT (its driver's executemany cannot return rows)."""
+    if conn.dialect.name == "postgresql":
+        params = (
+            now,
+            [b.session for b in batches],
+            [b.seq for b in batches],
+            [b.value_rows() for b in batches],
+        )
+        found = conn.exec_driver_sql(_INSERT_BATCHES_PG, params).all()
+    else:
+        records = [
+            {"session_id": b.session, "seq": b.seq, "received_at": now, "rows": b.value_rows()}
+            for b in batches
+        ]
+        found = conn.execute(st.batches, records).all()
+    return {(session, int(seq)) for session, seq in found}
 
 
 def _lost_connection(error: Exception | None) -> bool:
@@ -374,12 +411,12 @@ def _value_steps(batch: Batch) -> tuple[int, int] | None:
 
 
 def _insert_rows(conn: Connection, st: _Statements, batches: Sequence[tuple[Batch, int, int]]) -> None:
-    """The step timestamps, fingerprints and events of (batch, run id, incarnation): one executemany of
-    each over all the batches."""
+    """The step timestamps, fingerprints and events of (batch, run id, incarnation), all the batches'
+    together: the timestamps with the driver (`insert_tuples`), the others one executemany each."""
     steps, fingerprints, events = [], [], []
     for batch, run_id, inc in batches:
         steps += [
-            {"run_id": run_id, "rank": batch.rank, "step": s, "incarnation": inc, "ts": t}
+            (run_id, batch.rank, s, inc, t)
             for s, t in zip(batch.steps.tolist(), batch.timestamps.tolist(), strict=True)
         ]
         fingerprints += [
@@ -406,7 +443,8 @@ def _insert_rows(conn: Connection, st: _Statements, batches: Sequence[tuple[Batc
             }
             for e in batch.events
         ]
-    for statement, params in ((st.steps, steps), (st.fingerprints, fingerprints), (st.events, events)):
+    insert_tuples(conn, _INSERT_STEPS, steps)
+    for statement, params in ((st.fingerprints, fingerprints), (st.events, events)):
         if params:
             conn.execute(statement, params)
 
@@ -671,11 +709,7 @@ class BatchWriter:
         try:
             with write_transaction(self.engine) as conn:
                 st = _statements(conn)
-                records = [
-                    {"session_id": b.session, "seq": b.seq, "received_at": now, "rows": b.value_rows()}
-                    for b in (item.batch for item in first.values())
-                ]
-                new = {(session, int(seq)) for session, seq in conn.execute(st.batches, records).all()}
+                new = _insert_records(conn, st, [item.batch for item in first.values()], now)
                 fresh = [
                     (item, info)
                     for item, info in entries
