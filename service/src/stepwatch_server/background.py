@@ -2,7 +2,7 @@
 started once, stopped by a deadline, and an error guard for each step of its loop.
 
 A worker subclasses `BackgroundWorker`, names itself (`label`: its thread is `stepwatch-<label>`, its logs
-start with it) and writes `_run`, which loops until `_stop` is set and may wait on `_wake` (set by `stop()`
+start with it), may run `_run` on several threads (`threads`: ingest's writing threads) and writes `_run`, which loops until `_stop` is set and may wait on `_wake` (set by `stop()`
 too, so that a sleeping loop notices at once). `stop(deadline_s)` records the deadline for `_run` to honour
 (a last round of work within it), sets both events, waits for the thread for the deadline plus
 `join_slack_s`, then calls `_stopped()` for what the worker has to say about work left undone. `_guard`
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -25,21 +26,30 @@ Self = TypeVar("Self", bound="BackgroundWorker")
 
 class BackgroundWorker:
     label = "worker"
+    threads = 1  # threads running `_run` (the first is `stepwatch-<label>`, the others `-2`, `-3`, ...)
     join_slack_s = 2.0  # beyond the deadline: the wait in progress, the last write
     error_pause_s = 0.0  # after a step failed, the loop waits this long (on `_stop`) before going on
 
     def __init__(self) -> None:
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # the first of `_threads`
+        self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._deadline_s = STOP_DEADLINE_S
         self.errors = 0
         self._warned_error = False
 
     def start(self: Self) -> Self:
-        self._thread = threading.Thread(target=self._run, name=f"stepwatch-{self.label}", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(
+                target=self._run, name=f"stepwatch-{self.label}" + (f"-{i + 1}" if i else ""), daemon=True
+            )
+            for i in range(self.threads)
+        ]
+        self._thread = self._threads[0]
+        for thread in self._threads:
+            thread.start()
         return self
 
     def stop(self, deadline_s: float = STOP_DEADLINE_S) -> None:
@@ -47,13 +57,14 @@ class BackgroundWorker:
         self._deadline_s = deadline_s
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(deadline_s + self.join_slack_s)
+        end = time.monotonic() + deadline_s + self.join_slack_s
+        for thread in self._threads:
+            thread.join(max(0.0, end - time.monotonic()))
         self._stopped()
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return any(thread.is_alive() for thread in self._threads)
 
     def _run(self) -> None:  # pragma: no cover - every worker has its own
         raise NotImplementedError

@@ -1,19 +1,21 @@
-"""Ingest's writing thread: requests hand it their bodies and await the answer; it decodes, validates and
-writes everything that waits as one group.
+"""Ingest's writing threads: requests hand them their bodies and await the answer; a thread decodes,
+validates and writes everything that waits as one group.
 
 An ingest request on the event loop reads its body (under the size limit), queues it here with an asyncio
-future, and awaits that. The one thread takes every body that waits (up to `store.MAX_GROUP_BATCHES`), decodes and validates each (a bad one gets its
-error at once), checks the token may write its run, and writes the valid ones with `BatchWriter.write_group`
-(one transaction for the steady state's batches: ingest/store.py); then it answers each future on its
-loop. The batches that arrive together share a transaction without a request thread each waiting for it:
-one hand-over to the thread and one back per request, instead of a thread-pool round trip and a wake-up
-per batch. A round that fails as a whole (a bug of ours) answers each of its requests with that error.
+future, and awaits that. A writing thread (WRITING_THREADS on PostgreSQL, one on SQLite) takes every body
+that waits (up to `store.MAX_GROUP_BATCHES`), decodes and validates each (a bad one gets its error at once),
+checks the token may write its run, and writes the valid ones with `BatchWriter.write_group` (one
+transaction for the steady state's batches: ingest/store.py); then it answers each future on its loop. The
+batches that arrive together share a transaction without a request thread each waiting for it: one
+hand-over to a thread and one back per request, instead of a thread-pool round trip and a wake-up per
+batch. A round that fails as a whole (a bug of ours) answers each of its requests with that error.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +25,15 @@ from stepwatch_server.ingest.body import decode_body
 from stepwatch_server.ingest.schema import Batch
 from stepwatch_server.ingest.store import MAX_GROUP_BATCHES, BatchWriter, IngestResult, Pending
 from stepwatch_server.ingest.validate import parse_batch
+from stepwatch_server.storage.engine import is_sqlite
 
-IDLE_WAIT_S = 0.5  # the thread's wait when nothing comes (it is woken by each request)
+IDLE_WAIT_S = 0.5  # a thread's wait when nothing comes (it is woken by each request)
+# On PostgreSQL two writing threads: while one waits on the database's round trips (the GIL released), the
+# other decodes, validates and writes the next group. One thread was the ceiling of a process at the agent's
+# cadence: busy all the time, 40% of it waiting on PostgreSQL, the process at ~0.6 cores (bench/README.md,
+# "Capacity"). SQLite has one writer at a time (storage/engine.py's write lock): a second thread only waited
+# for it, with smaller groups (0.79x the batches/s in bench/batch_rate.py), so there one.
+WRITING_THREADS = 2
 
 
 @dataclass(slots=True)
@@ -52,7 +61,9 @@ class IngestPipeline(BackgroundWorker):
     def __init__(self, writer: BatchWriter) -> None:
         super().__init__()
         self.writer = writer
+        self.threads = 1 if is_sqlite(writer.engine) else WRITING_THREADS
         self._waiting: collections.deque[_Request] = collections.deque()
+        self._taking = threading.Lock()  # one thread at a time takes a group
 
     async def ingest(
         self, raw: bytes, encoding: str | None, limit: int, grant: Grant | None
@@ -71,6 +82,8 @@ class IngestPipeline(BackgroundWorker):
                 self._wake.clear()
                 continue
             group = self._take()
+            if not group:  # the other thread took them
+                continue
             if self._guard("round", self._round, group) is None:  # a bug of ours (logged): a 500 for each
                 failed = RuntimeError("ingest failed on this batch's round; the collector's log says why")
                 for request in group:  # an answer already on its way is sent first; this one is then dropped
@@ -78,8 +91,9 @@ class IngestPipeline(BackgroundWorker):
 
     def _take(self) -> list[_Request]:
         group: list[_Request] = []
-        while self._waiting and len(group) < MAX_GROUP_BATCHES:
-            group.append(self._waiting.popleft())
+        with self._taking:
+            while self._waiting and len(group) < MAX_GROUP_BATCHES:
+                group.append(self._waiting.popleft())
         return group
 
     def _round(self, group: list[_Request]) -> bool:

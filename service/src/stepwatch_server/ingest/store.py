@@ -330,7 +330,10 @@ def _insert_records(
 ) -> set[tuple[str, int]]:
     """The idempotency records of `batches` in one statement: the (session, seq) that were new (the
     others are duplicates). On PostgreSQL as arrays with the driver; on SQLite SQLAlchemy's multi-row
-    INSERT (its driver's executemany cannot return rows)."""
+    INSERT (its driver's executemany cannot return rows). In (session, seq) order, as every lock a group
+    takes (`BatchWriter._write_known`): two writing threads' transactions never wait for each other in a
+    circle."""
+    batches = sorted(batches, key=lambda b: (b.session, b.seq))
     if conn.dialect.name == "postgresql":
         params = (
             now,
@@ -348,10 +351,14 @@ def _insert_records(
     return {(session, int(seq)) for session, seq in found}
 
 
-def _lost_connection(error: Exception | None) -> bool:
-    """The write failed because its pooled connection was dead (nothing of it committed, or, should the
-    commit itself have been lost, the batch's idempotency record makes the next write a duplicate)."""
-    return isinstance(error, DBAPIError) and error.connection_invalidated
+def _write_again(error: Exception | None) -> bool:
+    """The write failed for a reason that writing it once more mends: its pooled connection was dead (the
+    database restarted; nothing of it committed, or, should the commit itself have been lost, the batch's
+    idempotency record makes the next write a duplicate), or PostgreSQL broke a deadlock by cancelling it
+    (40P01: the writing threads lock rows in one order, but a first batch's own transaction may not)."""
+    if not isinstance(error, DBAPIError):
+        return False
+    return error.connection_invalidated or getattr(error.orig, "sqlstate", None) == "40P01"
 
 
 def _utcnow() -> dt.datetime:
@@ -602,11 +609,11 @@ class BatchWriter:
                     self._groups += 1
                     self._grouped += len(part)
                 self._write_group(part)
-                stale = [item for item in part if _lost_connection(item.error)]
-                if stale:  # the database restarted since the connection was pooled: once more, anew
-                    for item in stale:
+                again = [item for item in part if _write_again(item.error)]
+                if again:  # a dead pooled connection, or a deadlock broken: once more
+                    for item in again:
                         item.error = None
-                    self._write_group(stale)
+                    self._write_group(again)
                 part, values = [], 0
             if item is not None:
                 part.append(item)
@@ -726,11 +733,12 @@ class BatchWriter:
                 insert_points(conn, rows)
                 _insert_rows(conn, st, [(item.batch, run_id, inc) for item, (run_id, inc, _) in fresh])
                 params = [_rank_params(item.batch, run_id, inc, now) for item, (run_id, inc, _) in fresh]
+                params.sort(key=lambda p: (p["b_run_id"], p["b_rank"]))  # rows locked in one order
                 if params and conn.execute(st.rank, params).rowcount != len(params):
                     for p in params:  # a rank row missing: each again (the UPDATE is idempotent)
                         if not conn.execute(st.rank, p).rowcount:
                             conn.execute(st.new_rank, _new_rank(p))
-                for run_id, world_size in touch.items():
+                for run_id, world_size in sorted(touch.items()):
                     conn.execute(st.touch_run, {"b_id": run_id, "b_world_size": world_size, "b_now": now})
         except (OperationalError, DatabaseTimeout) as exc:  # gone, full, read-only: a 503 for each
             self.health.failed(exc)
