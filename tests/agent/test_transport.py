@@ -171,6 +171,33 @@ def test_4xx_is_counted_logged_once_never_retried_and_kept_aside(
     assert len(rejected) == 1 and "metrics.loss[3]: expected a number" in rejected[0]
 
 
+def test_the_quarantine_keeps_the_newest_batches_only(receiver: Receiver, fast: dict[str, Any]) -> None:
+    """A collector refusing every batch cannot fill the disk: every refused batch is counted, and the
+    quarantine keeps the newest QUARANTINE_FILES of them, each beside its reason, the older ones deleted."""
+    from stepwatch._spool import QUARANTINE_FILES
+
+    receiver.respond = lambda batch, headers: (
+        (422, {}, {"error": {"message": "no"}}) if batch["steps"] else None
+    )
+    model, opt = make_model()
+    watch = stepwatch.attach(model, opt, run="quarantine-cap", url=receiver.url, **fast)
+    for _ in range(QUARANTINE_FILES + 12):  # about one batch a round (flush every 0.05 s)
+        train(model, opt, 2)
+        time.sleep(0.07)
+    watch.close(timeout_s=5)
+    sent = sorted(
+        (r["batch"]["seq"], tuple(r["batch"]["steps"])) for r in receiver.requests if r["batch"]["steps"]
+    )
+    assert len(sent) > QUARANTINE_FILES
+    assert watch.stats()["quarantined_batches"] == len(sent)
+    files = _quarantined(fast, "quarantine-cap")
+    assert len(files) == QUARANTINE_FILES
+    assert all(f.with_name(f.name + ".reason.txt").exists() for f in files)
+    assert len(list(files[0].parent.glob("*.reason.txt"))) == QUARANTINE_FILES  # none left behind
+    kept = sorted(tuple(json.loads(gzip.decompress(f.read_bytes()))["steps"]) for f in files)
+    assert kept == sorted(steps for _, steps in sent[-QUARANTINE_FILES:])  # the newest
+
+
 def test_close_returns_within_its_deadline_when_the_receiver_hangs(
     receiver: Receiver, fast: dict[str, Any]
 ) -> None:
