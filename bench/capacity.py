@@ -15,7 +15,7 @@ on the same machine as everything else: its CPU, the processes' and the whole ma
 
     .venv/bin/python bench/capacity.py --factor 1.25                   # 1x1 and 2x2, ~6 min (bench/README.md)
     .venv/bin/python bench/capacity.py --configs 1x1 --start 512 --factor 1.25 --json capacity.json
-    .venv/bin/python bench/capacity.py --configs 1x1 --start 320 --factor 1.25 --ref HEAD~3   # side by side
+    .venv/bin/python bench/capacity.py --configs 1x1 --start 496 --max-world 496 --seconds 30 --ref HEAD~3
 """
 
 from __future__ import annotations
