@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import sys
+import time
 import uuid
 import zlib
 from collections.abc import Callable
@@ -327,6 +328,19 @@ def test_an_error_never_echoes_a_huge_input_back(populated: Collector) -> None:
     error = response.json()["error"]
     assert error["field"].startswith("metrics.mmmm") and len(error["field"]) <= 300
     assert "characters" in error["message"] and len(error["message"]) <= 1_000
+
+
+def test_a_string_of_escaped_quotes_cannot_stall_the_duplicate_key_check() -> None:
+    """The keys of a body are counted by scanning each JSON string once: a pattern that looked for "a
+    string followed by a colon" was tried again at every escaped quote of a string value, quadratic time
+    with the GIL held (32 KB took 3.2 s; this 512 KB body would take minutes). Linear, it takes well under
+    a second; the bound is generous on purpose (a stall, not a speed target)."""
+    from stepwatch_server.ingest.body import decode_body
+
+    raw = b'{"a":"' + b'\\"' * 262_144 + b'","b":1}'
+    started = time.perf_counter()
+    assert decode_body(raw, None, MAX_BATCH_BYTES) == {"a": '"' * 262_144, "b": 1}
+    assert time.perf_counter() - started < 10.0
 
 
 def test_a_key_given_twice_in_a_large_body_is_found_too() -> None:

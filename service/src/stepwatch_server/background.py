@@ -1,11 +1,12 @@
-"""The one life cycle of the collector's background workers (detection, rollups, alerts): a daemon thread
-started once, stopped by a deadline, and an error guard for each step of its loop.
+"""The one life cycle of the collector's background workers (detection, rollups, alerts, ingest's writing
+threads): daemon threads started once, stopped by a deadline, and an error guard for each step of a loop.
 
 A worker subclasses `BackgroundWorker`, names itself (`label`: its thread is `stepwatch-<label>`, its logs
-start with it), may run `_run` on several threads (`threads`: ingest's writing threads) and writes `_run`, which loops until `_stop` is set and may wait on `_wake` (set by `stop()`
-too, so that a sleeping loop notices at once). `stop(deadline_s)` records the deadline for `_run` to honour
-(a last round of work within it), sets both events, waits for the thread for the deadline plus
-`join_slack_s`, then calls `_stopped()` for what the worker has to say about work left undone. `_guard`
+start with it) and writes `_run`, which loops until `_stop` is set and may wait on `_wake` (set by `stop()`
+too, so that a sleeping loop notices at once); `threads` runs `_run` on that many threads (the others are
+`stepwatch-<label>-2`, ...). `stop(deadline_s)` records the deadline for `_run` to honour (a last round of
+work within it), sets both events, waits for the threads for the deadline plus `join_slack_s`, then calls
+`_stopped()` for what the worker has to say about work left undone. `_guard`
 runs one step: an exception is counted in `errors`, logged in full the first time only, and the loop goes
 on (after `error_pause_s`, waited on `_stop`).
 """

@@ -154,7 +154,8 @@ async def ingest(request: Request) -> Response:
         )
     encoding = request.headers.get("content-encoding")
     try:
-        if len(raw) <= PIPELINE_MAX_BYTES:  # the agent's batches: with the others that wait, on one thread
+        # the agent's batches: with the others waiting, to a writing thread
+        if len(raw) <= PIPELINE_MAX_BYTES:
             batch, result = await request.app.state.ingest.ingest(
                 raw, encoding, settings.max_batch_bytes, grant
             )

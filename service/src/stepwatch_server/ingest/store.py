@@ -9,9 +9,10 @@ dialect (`_Statements`) and reused.
 
 Group commit (`_Group`): the batches that arrive while a transaction is being written go together
 into the next one. Those of the steady state (run, session and every name already stored) are written
-with one statement of each kind for the whole group (`BatchWriter._write_known`): one multi-row
-INSERT of their idempotency records, whose RETURNING tells the duplicates apart, one INSERT of all
-their values, one executemany of their step timestamps and one of the conditional rank UPDATE. A
+with one statement of each kind for the whole group (`BatchWriter._write_known`): one INSERT of their
+idempotency records, whose RETURNING tells the duplicates apart, one INSERT of all their values and one
+of their step timestamps (the bulk ones sent by the driver as arrays: `insert_tuples`), and one
+executemany of the conditional rank UPDATE. A
 batch that creates something (a run's, a session's or a rank's first batch, new names) is written
 alone (`_write_one`). Each caller is answered after the commit of the transaction holding its batch.
 
@@ -330,9 +331,9 @@ def _insert_records(
 ) -> set[tuple[str, int]]:
     """The idempotency records of `batches` in one statement: the (session, seq) that were new (the
     others are duplicates). On PostgreSQL as arrays with the driver; on SQLite SQLAlchemy's multi-row
-    INSERT (its driver's executemany cannot return rows). In (session, seq) order, as every lock a group
-    takes (`BatchWriter._write_known`): two writing threads' transactions never wait for each other in a
-    circle."""
+    INSERT (its driver's executemany cannot return rows). In (session, seq) order: with the rank rows
+    (by run and rank) and run rows (by id) that `BatchWriter._write_known` locks in order too, two groups'
+    transactions never wait for each other in a circle (a second copy of a batch waits at its record)."""
     batches = sorted(batches, key=lambda b: (b.session, b.seq))
     if conn.dialect.name == "postgresql":
         params = (
@@ -353,9 +354,12 @@ def _insert_records(
 
 def _write_again(error: Exception | None) -> bool:
     """The write failed for a reason that writing it once more mends: its pooled connection was dead (the
-    database restarted; nothing of it committed, or, should the commit itself have been lost, the batch's
-    idempotency record makes the next write a duplicate), or PostgreSQL broke a deadlock by cancelling it
-    (40P01: the writing threads lock rows in one order, but a first batch's own transaction may not)."""
+    database restarted: nothing of it committed), or PostgreSQL broke a deadlock by cancelling it (40P01:
+    the transactions lock rank rows before the run's row, but a session row or a first batch's new rows
+    may still meet in another order).
+    Should a dead connection have lost only the COMMIT's answer, the batch is stored and the second write
+    finds its idempotency record: it is answered as a duplicate (rows 0), like a batch sent twice, and is
+    then not handed to detection or the rollups (a known limit, rare: a restart inside that instant)."""
     if not isinstance(error, DBAPIError):
         return False
     return error.connection_invalidated or getattr(error.orig, "sqlstate", None) == "40P01"
@@ -700,7 +704,8 @@ class BatchWriter:
     ) -> None:
         """Batches of known runs, sessions and names in ONE transaction: one multi-row INSERT of their
         idempotency records (RETURNING those that were new: the others are duplicates), one INSERT of
-        all their values, one executemany each of step timestamps (and fingerprints, events) and of the
+        all their values and one of their step timestamps (`insert_tuples`), one executemany each of
+        fingerprints and events (when there are any) and of the
         rank UPDATE, and the run rows that are due a touch. Should it fail for any reason but the
         database's (a 503 for all), each batch is written again alone, so that only a bad one fails."""
         now, mono = _utcnow(), time.monotonic()
@@ -816,7 +821,7 @@ class BatchWriter:
     ) -> IngestResult:
         now = _utcnow()
         st = _statements(conn)
-        run_id = self._run_id(conn, st, batch, now)
+        run_id, touch = self._run_id(conn, st, batch, now)
         incarnation, new_session = self._session(conn, st, batch, run_id, now)
         rows = batch.value_rows()
         inserted = conn.execute(
@@ -834,6 +839,8 @@ class BatchWriter:
         insert_points(conn, point_rows)
         _insert_rows(conn, st, [(batch, run_id, incarnation)])
         self._rank(conn, st, batch, run_id, incarnation, now)
+        if touch:  # last, as in a group's transaction (`_write_known`): rank rows, then the run's
+            conn.execute(st.touch_run, {"b_id": run_id, "b_world_size": batch.world_size, "b_now": now})
         return IngestResult(
             rows=rows,
             duplicates=0,
@@ -843,20 +850,20 @@ class BatchWriter:
             steps=_value_steps(batch) if point_rows else None,
         )
 
-    def _run_id(self, conn: Connection, st: _Statements, batch: Batch, now: dt.datetime) -> int:
+    def _run_id(self, conn: Connection, st: _Statements, batch: Batch, now: dt.datetime) -> tuple[int, bool]:
+        """The run's id (its row created if new), and whether its row is due a touch (done by the caller)."""
         row = conn.execute(st.run, {"b_name": batch.run}).first()
         if row is None:
             conn.execute(
                 st.new_run,
                 {"name": batch.run, "world_size": batch.world_size, "created_at": now, "last_seen_at": now},
             )
-            return int(conn.execute(st.run_id, {"b_name": batch.run}).scalar_one())
+            return int(conn.execute(st.run_id, {"b_name": batch.run}).scalar_one()), False
         run_id, world_size, last_seen = int(row[0]), int(row[1]), row[2]
         # The run row is shared by every rank: update it only when something changed, so that
         # concurrent ranks do not queue on its row lock.
-        if world_size != batch.world_size or (now - last_seen).total_seconds() > RUN_TOUCH_INTERVAL_S:
-            conn.execute(st.touch_run, {"b_id": run_id, "b_world_size": batch.world_size, "b_now": now})
-        return run_id
+        due = world_size != batch.world_size or (now - last_seen).total_seconds() > RUN_TOUCH_INTERVAL_S
+        return run_id, due
 
     def _session(
         self, conn: Connection, st: _Statements, batch: Batch, run_id: int, now: dt.datetime

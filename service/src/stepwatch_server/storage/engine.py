@@ -9,7 +9,8 @@ its lock (the classic SQLite deadlock). PostgreSQL is reached through psycopg 3,
 before each use of a pooled connection (a round trip for every ingest transaction: a seventh of them
 at the agent's cadence): a connection that died with a database restart fails its first statement,
 SQLAlchemy then discards every connection of the pool opened before, and ingest writes the batch again
-once on a new connection (ingest/store.py `BatchWriter.write_group`); a read answers 503 once.
+once on a new connection (ingest/store.py `BatchWriter.write_group`); a read that meets such a
+connection answers 503 once, and a background worker's round fails once (retried on its next round).
 """
 
 from __future__ import annotations
