@@ -6,9 +6,9 @@ start with it) and writes `_run`, which loops until `_stop` is set and may wait 
 too, so that a sleeping loop notices at once); `threads` runs `_run` on that many threads (the others are
 `stepwatch-<label>-2`, ...). `stop(deadline_s)` records the deadline for `_run` to honour (a last round of
 work within it), sets both events, waits for the threads for the deadline plus `join_slack_s`, then calls
-`_stopped()` for what the worker has to say about work left undone. `_guard`
-runs one step: an exception is counted in `errors`, logged in full the first time only, and the loop goes
-on (after `error_pause_s`, waited on `_stop`).
+`_stopped()` for what the worker has to say about work left undone. `_guard` runs one step: an exception
+is counted in `errors`, logged in full the first time only, and the loop goes on (after `error_pause_s`,
+waited on `_stop`).
 """
 
 from __future__ import annotations

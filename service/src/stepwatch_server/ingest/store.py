@@ -12,9 +12,8 @@ into the next one. Those of the steady state (run, session and every name alread
 with one statement of each kind for the whole group (`BatchWriter._write_known`): one INSERT of their
 idempotency records, whose RETURNING tells the duplicates apart, one INSERT of all their values and one
 of their step timestamps (the bulk ones sent by the driver as arrays: `insert_tuples`), and one
-executemany of the conditional rank UPDATE. A
-batch that creates something (a run's, a session's or a rank's first batch, new names) is written
-alone (`_write_one`). Each caller is answered after the commit of the transaction holding its batch.
+executemany of the conditional rank UPDATE. A batch that creates something (a run's, a session's or a
+rank's first batch, new names) is written alone (`_write_one`). Each caller is answered after the commit of the transaction holding its batch.
 
 The transaction is kept to the writing itself, because on SQLite every other writer waits while one
 holds the write lock: parsing and validation run before it, a large batch's rows are built before it
@@ -215,7 +214,6 @@ class _Statements:
             session.run_id == bindparam("b_run_id"), session.rank == bindparam("b_rank")
         )
         self.new_session = _SESSIONS.insert()
-        self.batch = factory(_BATCHES).on_conflict_do_nothing().returning(_BATCHES.c.seq)
         self.batches = (
             factory(_BATCHES).on_conflict_do_nothing().returning(_BATCHES.c.session_id, _BATCHES.c.seq)
         )
@@ -271,18 +269,25 @@ POINT_COLUMNS = ("series_id", "rank", "step", "incarnation", "value")
 PointRow = tuple[int, int, int, int, float]
 _POINTS_CHUNK_ROWS = 100_000  # bounds the size of one statement's parameters
 PREBUILD_MIN_ROWS = 10_000  # a batch of this many values has its rows built before the write lock
-_INSERT_POINTS = (
-    f"INSERT INTO points ({', '.join(POINT_COLUMNS)}) "
-    "SELECT * FROM unnest(%b::integer[], %b::integer[], %b::bigint[], %b::integer[], %b::float8[]) "
-    "ON CONFLICT DO NOTHING",
-    f"INSERT INTO points ({', '.join(POINT_COLUMNS)}) VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+
+
+def _bulk_insert(table: str, columns: dict[str, str]) -> tuple[str, str]:
+    """`insert_tuples`' two statements for `table`, given its columns and their PostgreSQL types, in order."""
+    names = ", ".join(columns)
+    arrays = ", ".join(f"%b::{kind}[]" for kind in columns.values())
+    marks = ", ".join("?" for _ in columns)
+    return (
+        f"INSERT INTO {table} ({names}) SELECT * FROM unnest({arrays}) ON CONFLICT DO NOTHING",
+        f"INSERT INTO {table} ({names}) VALUES ({marks}) ON CONFLICT DO NOTHING",
+    )
+
+
+_INSERT_POINTS = _bulk_insert(
+    "points", dict(zip(POINT_COLUMNS, ("integer", "integer", "bigint", "integer", "float8"), strict=True))
 )
-STEP_COLUMNS = ("run_id", "rank", "step", "incarnation", "ts")
-_INSERT_STEPS = (
-    f"INSERT INTO steps ({', '.join(STEP_COLUMNS)}) "
-    "SELECT * FROM unnest(%b::integer[], %b::integer[], %b::bigint[], %b::integer[], %b::float8[]) "
-    "ON CONFLICT DO NOTHING",
-    f"INSERT INTO steps ({', '.join(STEP_COLUMNS)}) VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+_INSERT_STEPS = _bulk_insert(
+    "steps",
+    {"run_id": "integer", "rank": "integer", "step": "bigint", "incarnation": "integer", "ts": "float8"},
 )
 # The idempotency records of a group on PostgreSQL: the sessions, seqs and row counts as arrays, one time.
 _INSERT_BATCHES_PG = (
@@ -705,8 +710,8 @@ class BatchWriter:
         """Batches of known runs, sessions and names in ONE transaction: one multi-row INSERT of their
         idempotency records (RETURNING those that were new: the others are duplicates), one INSERT of
         all their values and one of their step timestamps (`insert_tuples`), one executemany each of
-        fingerprints and events (when there are any) and of the
-        rank UPDATE, and the run rows that are due a touch. Should it fail for any reason but the
+        fingerprints and events (when there are any) and of the rank UPDATE, and the run rows that are
+        due a touch. Should it fail for any reason but the
         database's (a 503 for all), each batch is written again alone, so that only a bad one fails."""
         now, mono = _utcnow(), time.monotonic()
         first: dict[tuple[str, int], Pending] = {}
@@ -824,10 +829,9 @@ class BatchWriter:
         run_id, touch = self._run_id(conn, st, batch, now)
         incarnation, new_session = self._session(conn, st, batch, run_id, now)
         rows = batch.value_rows()
-        inserted = conn.execute(
-            st.batch, {"session_id": batch.session, "seq": batch.seq, "received_at": now, "rows": rows}
-        ).first()
-        if inserted is None:  # (session, seq) already stored: store nothing, say so
+        if not _insert_records(
+            conn, st, [batch], now
+        ):  # (session, seq) already stored: store nothing, say so
             raise _Duplicate(
                 IngestResult(rows=0, duplicates=rows, incarnation=incarnation, run_id=run_id, duplicate=True)
             )
