@@ -240,3 +240,89 @@ def test_two_thousand_short_runs_keep_the_per_run_caches_bounded(tmp_path: Path)
         assert len(series) == 1  # the same series, found again in the database, not a second one
     finally:
         engine.dispose()
+
+
+def test_a_group_of_known_batches_stores_every_value_under_its_own_series_rank_step_and_incarnation(
+    database_url: str,
+) -> None:
+    """The steady state's group transaction (`write_group`) builds its rows as numpy columns for the whole
+    group: each value must land under its own name, rank, step and incarnation, bit for bit (signed zero,
+    subnormals, extremes, NaN and Inf), with JSON nulls left out and amax only at its own steps."""
+    from stepwatch_server.ingest.store import Pending
+    from stepwatch_server.storage.models import Series, StepRecord
+
+    specials = [-0.0, 5e-324, 1.7976931348623157e308, -1e-300, 0.1, 3.0]
+    engine = make_engine(database_url)
+    try:
+        upgrade(engine)
+        writer = BatchWriter(engine)
+        expected: dict[tuple[str, int, int, int], float] = {}
+        timestamps: dict[tuple[int, int, int], float] = {}
+        sessions = {(rank, inc): uuid.uuid4().hex for rank in (0, 1, 2) for inc in (1, 2)}
+
+        def doc(rank: int, inc: int, seq: int, step0: int) -> dict[str, object]:
+            steps = [step0, step0 + 1, step0 + 2]
+            a = [specials[(rank + seq + i) % len(specials)] * (inc + 1) for i in range(3)]
+            b: list[object] = [float(rank * 1000 + seq * 10 + i) for i in range(3)]
+            b[seq % 3] = None  # not measured: not stored
+            d = steps_batch("grp", sessions[(rank, inc)], seq, steps, rank=rank, world_size=3, a=a, b=b)
+            d["timestamps"] = [1_764_427_200.25 + s + rank / 8 for s in steps]
+            d["tensors"] = {
+                "steps": [steps[1]],
+                "stats": {"amax": {"m.0": [rank + 0.5], "m.1": ["Infinity"]}},
+            }
+            for name, col in (("a", a), ("b", b)):
+                for s, v in zip(steps, col, strict=True):
+                    if v is not None:
+                        expected[(f":{name}", rank, s, inc)] = float(v)  # type: ignore[arg-type]
+            expected[("amax:m.0", rank, steps[1], inc)] = rank + 0.5
+            expected[("amax:m.1", rank, steps[1], inc)] = np.inf
+            for s, t in zip(steps, d["timestamps"], strict=True):  # type: ignore[call-overload]
+                timestamps[(rank, s, inc)] = t
+            return d
+
+        for inc in (1, 2):  # each session's first batch alone: it creates the rows the group then knows
+            for rank in (0, 1, 2):
+                assert writer.write(parse_batch(doc(rank, inc, 0, 1 + 100 * inc))).rows > 0
+        group = [
+            Pending(parse_batch(doc(rank, inc, seq, 1 + 100 * inc + 3 * seq)), None)
+            for seq in (1, 2)
+            for inc in (1, 2)
+            for rank in (0, 1, 2)
+        ]
+        writer.write_group(group)
+        assert all(p.error is None and p.result is not None and not p.result.duplicate for p in group)
+        with engine.connect() as conn:
+            rows = conn.execute(
+                select(Series.stat, Series.name, Point.rank, Point.step, Point.incarnation, Point.value).join(
+                    Series, Series.id == Point.series_id
+                )
+            ).all()
+            stored_ts = conn.execute(
+                select(StepRecord.rank, StepRecord.step, StepRecord.incarnation, StepRecord.ts)
+            ).all()
+        got = {(f"{stat}:{name}", r, s, i): v for stat, name, r, s, i, v in rows}
+        assert got.keys() == expected.keys()
+        for key, value in expected.items():
+            if engine.dialect.name == "sqlite":  # SQLite's REAL keeps -0.0 as 0 (and NaN as NULL)
+                assert got[key] == value, key
+            else:
+                assert np.float64(got[key]).tobytes() == np.float64(value).tobytes(), key
+        assert {(r, s, i): t for r, s, i, t in stored_ts} == timestamps
+    finally:
+        engine.dispose()
+
+
+def test_bulk_columns_refuse_what_their_column_types_cannot_hold() -> None:
+    from stepwatch_server.storage.bulk import BulkInsert
+
+    insert = BulkInsert("t", {"a": "integer", "b": "bigint", "c": "float8"})
+    a, b, c = insert.typed([[1, 2], np.array([2**62, -(2**62)]), [0.5, None]])
+    assert (a.dtype, b.dtype, c.dtype) == (np.int32, np.int64, np.float64)
+    assert b.tolist() == [2**62, -(2**62)]
+    with pytest.raises(ValueError, match=r"t\.a: a value does not fit PostgreSQL integer"):
+        insert.typed([[2**31], [1], [1.0]])
+    with pytest.raises(ValueError, match="different lengths"):
+        insert.typed([[1], [1, 2], [1.0]])
+    with pytest.raises(ValueError, match="2 columns given, 3 expected"):
+        insert.typed([[1], [1]])

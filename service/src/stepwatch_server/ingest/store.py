@@ -2,8 +2,8 @@
 
 Everything of a batch (its values, step timestamps, fingerprints, events, the rank's state and the
 idempotency record `(session, seq)`) is written in one transaction, so a batch is either stored
-whole and acknowledged, or not at all. Values go in with executemany of prepared rows
-(`insert_points`), never one ORM object per value; names are turned into small integer series ids
+whole and acknowledged, or not at all. Values go in as numpy columns, one statement for a whole
+group (`INSERT_POINTS`, storage/bulk.py), never one ORM object per value; names are turned into small integer series ids
 through a per-run dictionary that is cached in memory once committed. Statements are built once per
 dialect (`_Statements`) and reused.
 
@@ -11,7 +11,7 @@ Group commit (`_Group`): the batches that arrive while a transaction is being wr
 into the next one. Those of the steady state (run, session and every name already stored) are written
 with one statement of each kind for the whole group (`BatchWriter._write_known`): one INSERT of their
 idempotency records, whose RETURNING tells the duplicates apart, one INSERT of all their values and one
-of their step timestamps (the bulk ones sent by the driver as arrays: `insert_tuples`), and one
+of their step timestamps (numpy columns sent by the driver: storage/bulk.py), and one
 executemany of the conditional rank UPDATE. A batch that creates something (a run's, a session's or a
 rank's first batch, new names) is written alone (`_write_one`). Each caller is answered after the commit of the transaction holding its batch.
 
@@ -57,6 +57,7 @@ from sqlalchemy.exc import TimeoutError as DatabaseTimeout
 
 from stepwatch_server.errors import InvalidBatch
 from stepwatch_server.ingest.schema import MAX_SERIES_PER_RUN, Batch, Column
+from stepwatch_server.storage.bulk import BulkInsert
 from stepwatch_server.storage.engine import write_transaction
 from stepwatch_server.storage.models import (
     METRIC_STAT,
@@ -267,25 +268,11 @@ def insert_ignore(conn: Connection, table: Table) -> Insert:
 
 POINT_COLUMNS = ("series_id", "rank", "step", "incarnation", "value")
 PointRow = tuple[int, int, int, int, float]
-_POINTS_CHUNK_ROWS = 100_000  # bounds the size of one statement's parameters
 PREBUILD_MIN_ROWS = 10_000  # a batch of this many values has its rows built before the write lock
-
-
-def _bulk_insert(table: str, columns: dict[str, str]) -> tuple[str, str]:
-    """`insert_tuples`' two statements for `table`, given its columns and their PostgreSQL types, in order."""
-    names = ", ".join(columns)
-    arrays = ", ".join(f"%b::{kind}[]" for kind in columns.values())
-    marks = ", ".join("?" for _ in columns)
-    return (
-        f"INSERT INTO {table} ({names}) SELECT * FROM unnest({arrays}) ON CONFLICT DO NOTHING",
-        f"INSERT INTO {table} ({names}) VALUES ({marks}) ON CONFLICT DO NOTHING",
-    )
-
-
-_INSERT_POINTS = _bulk_insert(
+INSERT_POINTS = BulkInsert(
     "points", dict(zip(POINT_COLUMNS, ("integer", "integer", "bigint", "integer", "float8"), strict=True))
 )
-_INSERT_STEPS = _bulk_insert(
+_INSERT_STEPS = BulkInsert(
     "steps",
     {"run_id": "integer", "rank": "integer", "step": "bigint", "incarnation": "integer", "ts": "float8"},
 )
@@ -297,38 +284,24 @@ _INSERT_BATCHES_PG = (
 )
 
 
-def insert_tuples(conn: Connection, statements: tuple[str, str], rows: Sequence[tuple[Any, ...]]) -> None:
-    """Rows (tuples in the statements' column order) with the driver, no SQLAlchemy per row or statement:
-    on PostgreSQL one `INSERT ... SELECT FROM unnest(arrays)` per chunk (`statements[0]`, about twice the
-    rate of executemany), the arrays sent in binary (`%b`: psycopg's text dumping of 2,000 rows cost
-    ~13 ms of Python, binary ~3 ms; so a column must not mix ints and floats); on SQLite the driver's
-    executemany of tuples (`statements[1]`, about twice the rate of SQLAlchemy's per-row processing)."""
-    for start in range(0, len(rows), _POINTS_CHUNK_ROWS):
-        chunk = rows[start : start + _POINTS_CHUNK_ROWS]
-        if conn.dialect.name == "postgresql":
-            conn.exec_driver_sql(statements[0], tuple(list(col) for col in zip(*chunk, strict=True)))
-        else:
-            conn.exec_driver_sql(statements[1], list(chunk))
-
-
 def insert_points(conn: Connection, rows: Sequence[PointRow] | Sequence[Mapping[str, Any]]) -> None:
     """The raw bulk insert of value rows `(series_id, rank, step, incarnation, value)`.
 
-    This is the statement ingest spends its database time in; benchmarks call it directly to
-    measure the storage rate without HTTP, parsing or validation. Rows are tuples in
-    POINT_COLUMNS order (dicts keyed by those names are accepted too): ints, and a float or None
-    (NULL) value. A row that already exists is skipped (ON CONFLICT DO NOTHING). The rollups are not
-    touched here: the rollup worker (runs/rollup_worker.py) recomputes them after the commit.
-    Written by `insert_tuples`.
+    Benchmarks and tests call it to write values without HTTP, parsing or validation; ingest writes the
+    same statement from its batches' columns (`INSERT_POINTS`, storage/bulk.py). Rows are tuples in
+    POINT_COLUMNS order (dicts keyed by those names are accepted too): ints, and a float or None value
+    (None is stored as NaN). A row that already exists is skipped (ON CONFLICT DO NOTHING). The rollups
+    are not touched here: the rollup worker (runs/rollup_worker.py) recomputes them after the commit.
     """
     if not rows:
         return
-    tuples = (
-        [tuple(r[c] for c in POINT_COLUMNS) for r in cast("Sequence[Mapping[str, Any]]", rows)]
-        if isinstance(rows[0], Mapping)
-        else rows
-    )
-    insert_tuples(conn, _INSERT_POINTS, cast("Sequence[tuple[Any, ...]]", tuples))
+    columns: list[Any]
+    if isinstance(rows[0], Mapping):
+        columns = [[r[c] for r in cast("Sequence[Mapping[str, Any]]", rows)] for c in POINT_COLUMNS]
+    else:
+        columns = [list(col) for col in zip(*cast("Sequence[PointRow]", rows), strict=True)]
+    columns[-1] = np.asarray(columns[-1], dtype=object).astype(np.float64)  # None: NaN
+    INSERT_POINTS.run(conn, columns)
 
 
 def _insert_records(
@@ -378,31 +351,71 @@ def _from_unix(ts: float) -> dt.datetime:
     return dt.datetime.fromtimestamp(ts, dt.UTC)
 
 
-def _column_rows(
-    series_id: int, rank: int, incarnation: int, steps: np.ndarray, col: Column
-) -> list[PointRow]:
-    values = col.values
-    if col.present is not None:
-        steps, values = steps[col.present], values[col.present]
-    return [
-        (series_id, rank, s, incarnation, v) for s, v in zip(steps.tolist(), values.tolist(), strict=True)
-    ]
-
-
 def _wanted(batch: Batch) -> list[tuple[str, str]]:
     """The batch's series keys (stat, name), metrics first."""
     wanted = [(METRIC_STAT, name) for name in batch.metrics]
     return wanted + [(stat, name) for stat, cols in batch.tensors.items() for name in cols]
 
 
-def _point_rows(batch: Batch, series_ids: Mapping[tuple[str, str], int], incarnation: int) -> list[PointRow]:
-    rows: list[PointRow] = []
-    for name, col in batch.metrics.items():
-        rows += _column_rows(series_ids[(METRIC_STAT, name)], batch.rank, incarnation, batch.steps, col)
-    for stat, cols in batch.tensors.items():
-        for name, col in cols.items():
-            rows += _column_rows(series_ids[(stat, name)], batch.rank, incarnation, batch.tensor_steps, col)
-    return rows
+@dataclass(frozen=True, slots=True)
+class _Points:
+    """A batch's values as the columns of their rows (the rank and incarnation are the batch's)."""
+
+    series: np.ndarray  # int64
+    steps: np.ndarray  # int64
+    values: np.ndarray  # float64, NaN/Inf as sent
+
+    def __len__(self) -> int:
+        return int(self.values.shape[0])
+
+
+def _section(
+    cols: Mapping[str, Column], steps: np.ndarray, ids: list[int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows of one block of columns over the same steps: column by column, as numpy whole."""
+    n = steps.shape[0]
+    values = np.stack([col.values for col in cols.values()]).ravel()
+    series = np.repeat(np.asarray(ids, dtype=np.int64), n)
+    at = np.tile(steps, len(cols))
+    masks = [col.present for col in cols.values()]
+    if any(mask is not None for mask in masks):  # JSON nulls: not stored
+        keep = np.concatenate([np.ones(n, dtype=bool) if m is None else m for m in masks])
+        return series[keep], at[keep], values[keep]
+    return series, at, values
+
+
+def _points(batch: Batch, series_ids: Mapping[tuple[str, str], int]) -> _Points:
+    parts = []
+    if batch.metrics and batch.steps.size:
+        ids = [series_ids[(METRIC_STAT, name)] for name in batch.metrics]
+        parts.append(_section(batch.metrics, batch.steps, ids))
+    if batch.tensor_steps.size:
+        for stat, cols in batch.tensors.items():
+            if cols:
+                parts.append(_section(cols, batch.tensor_steps, [series_ids[(stat, name)] for name in cols]))
+    if not parts:
+        empty = np.zeros(0, dtype=np.int64)
+        return _Points(empty, empty, np.zeros(0, dtype=np.float64))
+    if len(parts) == 1:
+        return _Points(*parts[0])
+    return _Points(*(np.concatenate(column) for column in zip(*parts, strict=True)))
+
+
+def _insert_points_of(conn: Connection, batches: Sequence[tuple[Batch, int, _Points]]) -> None:
+    """The values of (batch, incarnation, points) in one statement."""
+    counts = [len(points) for _, _, points in batches]
+    if not sum(counts):
+        return
+    INSERT_POINTS.run(
+        conn,
+        [
+            np.concatenate([points.series for _, _, points in batches]),
+            np.repeat([batch.rank for batch, _, _ in batches], counts),
+            np.concatenate([points.steps for _, _, points in batches]),
+            np.repeat([inc for _, inc, _ in batches], counts),
+            np.concatenate([points.values for _, _, points in batches]),
+        ],
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -411,7 +424,7 @@ class _Prebuilt:
 
     run_id: int
     incarnation: int
-    rows: list[PointRow]
+    points: _Points
 
 
 class _Duplicate(Exception):
@@ -428,13 +441,9 @@ def _value_steps(batch: Batch) -> tuple[int, int] | None:
 
 def _insert_rows(conn: Connection, st: _Statements, batches: Sequence[tuple[Batch, int, int]]) -> None:
     """The step timestamps, fingerprints and events of (batch, run id, incarnation), all the batches'
-    together: the timestamps with the driver (`insert_tuples`), the others one executemany each."""
-    steps, fingerprints, events = [], [], []
+    together: the timestamps as numpy columns (storage/bulk.py), the others one executemany each."""
+    fingerprints, events = [], []
     for batch, run_id, inc in batches:
-        steps += [
-            (run_id, batch.rank, s, inc, t)
-            for s, t in zip(batch.steps.tolist(), batch.timestamps.tolist(), strict=True)
-        ]
         fingerprints += [
             {
                 "run_id": run_id,
@@ -459,7 +468,18 @@ def _insert_rows(conn: Connection, st: _Statements, batches: Sequence[tuple[Batc
             }
             for e in batch.events
         ]
-    insert_tuples(conn, _INSERT_STEPS, steps)
+    counts = [batch.steps.shape[0] for batch, _, _ in batches]
+    if sum(counts):
+        _INSERT_STEPS.run(
+            conn,
+            [
+                np.repeat([run_id for _, run_id, _ in batches], counts),
+                np.repeat([batch.rank for batch, _, _ in batches], counts),
+                np.concatenate([batch.steps for batch, _, _ in batches]),
+                np.repeat([inc for _, _, inc in batches], counts),
+                np.concatenate([batch.timestamps for batch, _, _ in batches]),
+            ],
+        )
     for statement, params in ((st.fingerprints, fingerprints), (st.events, events)):
         if params:
             conn.execute(statement, params)
@@ -709,7 +729,7 @@ class BatchWriter:
     ) -> None:
         """Batches of known runs, sessions and names in ONE transaction: one multi-row INSERT of their
         idempotency records (RETURNING those that were new: the others are duplicates), one INSERT of
-        all their values and one of their step timestamps (`insert_tuples`), one executemany each of
+        all their values and one of their step timestamps (storage/bulk.py), one executemany each of
         fingerprints and events (when there are any) and of the rank UPDATE, and the run rows that are
         due a touch. Should it fail for any reason but the
         database's (a 503 for all), each batch is written again alone, so that only a bad one fails."""
@@ -733,14 +753,14 @@ class BatchWriter:
                     if first[(item.batch.session, item.batch.seq)] is item
                 ]
                 fresh = [(item, info) for item, info in fresh if (item.batch.session, item.batch.seq) in new]
-                rows: list[PointRow] = []
+                points = []
                 for item, (run_id, inc, ids) in fresh:
                     pre = item.prebuilt
                     if pre is not None and (pre.run_id, pre.incarnation) == (run_id, inc):
-                        rows += pre.rows
+                        points.append((item.batch, inc, pre.points))
                     else:
-                        rows += _point_rows(item.batch, ids, inc)
-                insert_points(conn, rows)
+                        points.append((item.batch, inc, _points(item.batch, ids)))
+                _insert_points_of(conn, points)
                 _insert_rows(conn, st, [(item.batch, run_id, inc) for item, (run_id, inc, _) in fresh])
                 params = [_rank_params(item.batch, run_id, inc, now) for item, (run_id, inc, _) in fresh]
                 params.sort(key=lambda p: (p["b_run_id"], p["b_rank"]))  # rows locked in one order
@@ -813,7 +833,7 @@ class BatchWriter:
                 if any(key not in ids for key in wanted):
                     return None
                 self.series_ids.add(run_id, ids)
-        return _Prebuilt(run_id, incarnation, _point_rows(batch, ids, incarnation))
+        return _Prebuilt(run_id, incarnation, _points(batch, ids))
 
     # -- inside the transaction -------------------------------------------------------------
 
@@ -837,10 +857,10 @@ class BatchWriter:
             )
 
         if prebuilt is not None and (prebuilt.run_id, prebuilt.incarnation) == (run_id, incarnation):
-            point_rows = prebuilt.rows  # every name had an id already: none to create, none to count
+            points = prebuilt.points  # every name had an id already: none to create, none to count
         else:
-            point_rows = _point_rows(batch, self._series(conn, st, run_id, batch, new_series), incarnation)
-        insert_points(conn, point_rows)
+            points = _points(batch, self._series(conn, st, run_id, batch, new_series))
+        _insert_points_of(conn, [(batch, incarnation, points)])
         _insert_rows(conn, st, [(batch, run_id, incarnation)])
         self._rank(conn, st, batch, run_id, incarnation, now)
         if touch:  # last, as in a group's transaction (`_write_known`): rank rows, then the run's
@@ -851,7 +871,7 @@ class BatchWriter:
             incarnation=incarnation,
             run_id=run_id,
             restarted=new_session and incarnation > 1,
-            steps=_value_steps(batch) if point_rows else None,
+            steps=_value_steps(batch) if len(points) else None,
         )
 
     def _run_id(self, conn: Connection, st: _Statements, batch: Batch, now: dt.datetime) -> tuple[int, bool]:
