@@ -163,3 +163,46 @@ def test_a_database_that_is_down_is_a_503_with_retry_after_and_healthz_says_so()
         assert collector.http.get("/healthz").status_code == 503
     finally:
         collector.close()
+
+
+def test_ingest_taken_straight_to_its_handler_answers_as_the_routed_stack_does(tmp_path: Path) -> None:
+    """`POST /api/v1/ingest` skips FastAPI's layers (asgi.CollectorApp) but not what they do for it: the
+    app-wide parameter check, each error in the one shape with its headers, a bug's 500 without its
+    details; other methods on the path are FastAPI's (405)."""
+    from stepwatch_server.ingest.routes import INGEST_PATH
+
+    collector = Collector(f"sqlite:///{tmp_path / 'x.db'}", token="s3cret-token")
+    try:
+        auth = {"Authorization": "Bearer s3cret-token"}
+        ok = collector.http.post(INGEST_PATH, json=make_batch(), headers=auth)
+        assert ok.status_code == 200 and ok.json()["accepted"] is True
+        no_token = collector.http.post(INGEST_PATH, json=make_batch())
+        assert no_token.status_code == 401 and no_token.headers["WWW-Authenticate"] == "Bearer"
+        assert no_token.json()["error"]["field"] == "Authorization"
+        nul = collector.http.post(INGEST_PATH, params={"note": "a\x00b"}, json=make_batch(), headers=auth)
+        assert nul.status_code == 422
+        assert nul.json()["error"] == {
+            "code": "invalid_parameter",
+            "field": "note",
+            "message": "note: holds a NUL character (U+0000), which no name or value may",
+        }
+        bad = collector.http.post(INGEST_PATH, content=b"{", headers=auth)
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+        get = collector.http.get(INGEST_PATH, headers=auth)
+        assert get.status_code == 405 and get.json()["error"]["code"] == "method_not_allowed"
+    finally:
+        collector.close()
+
+    from stepwatch_server.app import create_app
+    from stepwatch_server.settings import Settings
+
+    app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'y.db'}"))  # lifespan not run: no pipeline
+
+    async def post() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+            return await client.post(INGEST_PATH, json=make_batch())
+
+    response = asyncio.run(post())  # ingest finds no writing pipeline: a bug's AttributeError
+    assert response.status_code == 500
+    assert response.json()["error"]["code"] == "internal_error" and "NoneType" not in response.text

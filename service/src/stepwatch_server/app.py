@@ -27,6 +27,7 @@ from starlette.responses import Response
 from stepwatch_server import auth
 from stepwatch_server.alerts.routes import router as alerts_router
 from stepwatch_server.alerts.worker import AlertWorker
+from stepwatch_server.asgi import CollectorApp
 from stepwatch_server.background import BackgroundWorker
 from stepwatch_server.dashboard.routes import router as dashboard_router
 from stepwatch_server.detect.engine import EngineSettings
@@ -109,7 +110,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await run_in_threadpool(worker.stop)
             engine.dispose()
 
-    app = FastAPI(
+    app = CollectorApp(
         title="stepwatch collector",
         version=VERSION,
         summary="Ingest, storage and read API for training-run health.",
@@ -118,6 +119,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         redoc_url=None,  # (FastAPI's ReDoc page also loads from a CDN)
         responses=COMMON_ERRORS,
         dependencies=[Depends(no_nul_in_parameters)],
+        # FastAPI's OpenTelemetry instrumentation checks for a configured provider on every request (~20 us,
+        # os.environ included); the collector has its own /metrics and configures no provider.
+        telemetry={"tracing": False, "metrics": False, "logs": False},
         openapi_tags=[
             {"name": "ingest", "description": "Batches from agents (docs/ingest.md)."},
             {"name": "runs", "description": "Reading runs, ranks and series back."},

@@ -38,6 +38,7 @@ from stepwatch_server.responses import json_response
 from stepwatch_server.settings import Settings
 
 router = APIRouter(prefix="/api/v1", tags=["ingest"])
+INGEST_PATH = "/api/v1/ingest"  # also taken straight to `ingest` by asgi.CollectorApp
 # Bodies up to this size (on the wire) go to ingest's writing thread (ingest/pipeline.py); bigger ones
 # (wide batches: thousands of names) are decoded, validated and written on a thread of their own, as a
 # group of one, so that the small batches of other runs never wait for their decoding.
@@ -132,7 +133,7 @@ def _ingest_sync(
 
 
 @router.post(
-    "/ingest",
+    INGEST_PATH.removeprefix(router.prefix),
     summary="Ingest one batch (one rank, many steps)",
     responses={
         200: {"model": IngestAnswer, "description": "Committed (or recognised as a duplicate)."},
