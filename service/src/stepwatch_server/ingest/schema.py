@@ -132,9 +132,13 @@ class Batch:
     fingerprints: tuple[str, ...] = ()
     events: tuple[BatchEvent, ...] = ()
     heartbeat: Heartbeat | None = None
+    _rows: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:  # counted once: the writer asks several times a batch
+        n = sum(col.count() for col in self.metrics.values())
+        n += sum(col.count() for cols in self.tensors.values() for col in cols.values())
+        object.__setattr__(self, "_rows", n + len(self.fingerprints) + len(self.events))
 
     def value_rows(self) -> int:
         """How many rows storing this batch writes, as the ingest answer counts them."""
-        n = sum(col.count() for col in self.metrics.values())
-        n += sum(col.count() for cols in self.tensors.values() for col in cols.values())
-        return n + len(self.fingerprints) + len(self.events)
+        return self._rows
