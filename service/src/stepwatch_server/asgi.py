@@ -44,4 +44,3 @@ class CollectorApp(FastAPI):
             if cls in self.exception_handlers:
                 return self.exception_handlers[cls]
         raise exc  # unreachable: errors.py registers one for Exception
-
