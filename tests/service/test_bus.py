@@ -83,9 +83,9 @@ class RedisServer:
 class Process:
     """A `stepwatch-server` child process (its log in `log`)."""
 
-    def __init__(self, args: list[str], log: Path) -> None:
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.log = log
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         env.pop("STEPWATCH_TOKEN", None)
         with open(log, "wb") as out:
             self.process = subprocess.Popen(
@@ -255,9 +255,10 @@ def _deployment(
     workers: int,
     extra: tuple[str, ...] = (),
     metrics_ports: tuple[int, ...] = (),
+    worker_env: dict[str, str] | None = None,
 ) -> Iterator[tuple[str, RedisServer, list[Replica], list[Process]]]:
     """PostgreSQL, Redis, `replicas` x `serve --bus` and `workers` x `detect`, each with `extra` options
-    (and worker i with `--metrics-port metrics_ports[i]` when given)."""
+    (and worker i with `--metrics-port metrics_ports[i]` when given; the workers with `worker_env`)."""
     with fresh_database("postgres", tmp_path) as database_url:
         redis_server = RedisServer(tmp_path)
         redis_server.start()
@@ -272,6 +273,7 @@ def _deployment(
                     ["detect", "--bus", redis_server.url, "--database-url", database_url, *extra]
                     + (["--metrics-port", str(metrics_ports[i])] if metrics_ports else []),
                     tmp_path / f"detect-{i}.log",
+                    worker_env,
                 )
                 for i in range(workers)
             ]
@@ -541,8 +543,8 @@ def test_a_rank_that_stops_stepping_is_a_hang_the_bus_worker_finds(tmp_path: Pat
     """A hang is the absence of steps: the worker that owns the run's stream finds it from the heartbeats that
     keep arriving (the stuck rank's sender and the ranks waiting in the collective), as the single process does.
     A real 4-rank gloo run (tests/e2e/fault_ranks.py) whose rank 1 stops at step 20 feeds a replica on the bus;
-    the worker opens one hang blaming rank 1, stuck (its sender still sends heartbeats). Not covered here: a run
-    whose every rank goes silent, found on the worker's tick after `silent_after_s` (300 s)."""
+    the worker opens one hang blaming rank 1, stuck (its sender still sends heartbeats). A run whose every rank
+    goes silent: the next test."""
     from tests.e2e.test_detection_real import WAIT_S, ranks
 
     run = f"bus-hang-{os.getpid()}"
@@ -559,3 +561,36 @@ def test_a_rank_that_stops_stepping_is_a_hang_the_bus_worker_finds(tmp_path: Pat
         (hang,) = hangs
         assert hang["rank"] == 1 and hang["evidence"]["culprits"] == [1], hang
         assert hang["evidence"]["mode"] == "stuck", hang
+
+
+def test_a_run_whose_every_rank_goes_silent_is_found_on_the_bus_workers_tick(tmp_path: Path) -> None:
+    """Nothing arrives at all: no batch, so no stream entry, wakes the worker; its tick, with no entry
+    waiting, must still let wall-clock time pass in the engine of every run it owns, and open the run's
+    "silent" hang after `silent_after_s` (here 3 s, set as a user would with STEPWATCH_DETECTION); the next
+    batch resolves it."""
+    docs = list(Simulation(Scenario(f"bus-silent-{os.getpid()}", 4, 60, seed=2)))
+    run = docs[0]["run"]
+    overrides = {"STEPWATCH_DETECTION": orjson.dumps({"hang": {"silent_after_s": 3}}).decode()}
+    with _deployment(tmp_path, replicas=1, workers=1, worker_env=overrides) as (_, redis, replicas, _):
+        replica = replicas[0]
+        _send(docs[:-1], replicas)  # the last batch is kept for later
+        _wait_caught_up(redis.url, replicas)
+
+        def silent() -> list[dict[str, Any]]:
+            found = (replica.get(f"/api/v1/runs/{run}/anomalies?limit=1000") or {}).get("anomalies", [])
+            return [a for a in found if a["kind"] == "hang" and "silent_s" in a["evidence"]]
+
+        deadline = time.monotonic() + 30.0
+        while not silent() and time.monotonic() < deadline:
+            time.sleep(0.25)
+        hangs = silent()
+        assert len(hangs) == 1, hangs
+        hang = hangs[0]
+        assert hang["severity"] == "warning" and hang["status"] == "open", hang
+        assert "run silent: nothing from any of its 4 ranks" in hang["summary"], hang
+        assert hang["evidence"]["silent_s"] >= 3.0, hang
+        _send(docs[-1:], replicas)
+        deadline = time.monotonic() + 30.0
+        while silent()[0]["status"] != "resolved" and time.monotonic() < deadline:
+            time.sleep(0.25)
+        assert silent()[0]["status"] == "resolved", silent()

@@ -121,3 +121,40 @@ def test_bodies_that_wait_together_are_answered_each_on_its_own(collector: Any) 
     assert all(a.json()["rows"] == 2 * len(NAMES) for a in answers[:RANKS])
     stored = collector.counts()
     assert stored["points"] == 2 * RANKS * 2 * len(NAMES)
+
+
+def test_the_writing_threads_answer_every_waiting_body_before_they_stop(engine: Engine) -> None:
+    """At shutdown the collector stops ingest's writing threads (two on PostgreSQL) after uvicorn has waited
+    for the requests; what still waits in the pipeline then is written and answered before the threads
+    end: no request is left without its answer, and every batch answered as stored is in the database."""
+    import asyncio
+
+    import orjson
+
+    from stepwatch_server.ingest.pipeline import WRITING_THREADS, IngestPipeline
+
+    pipeline = IngestPipeline(BatchWriter(engine)).start()
+    assert (
+        pipeline.threads
+        == (1 if engine.dialect.name == "sqlite" else WRITING_THREADS)
+        == len([t for t in threading.enumerate() if t.name.startswith("stepwatch-ingest")])
+    )
+    sessions = [uuid.uuid4().hex for _ in range(RANKS)]
+    bodies = [orjson.dumps(_doc(sessions[r], r, seq)) for seq in range(ROUNDS) for r in range(RANKS)]
+
+    async def send_all_then_stop() -> tuple[int, list[tuple[Any, IngestResult]]]:
+        tasks = [asyncio.ensure_future(pipeline.ingest(body, None, 1 << 24, None)) for body in bodies]
+        await asyncio.sleep(0)  # each task has queued its body
+        waiting = sum(not task.done() for task in tasks)
+        await asyncio.get_running_loop().run_in_executor(None, pipeline.stop)
+        assert not pipeline.running
+        return waiting, await asyncio.wait_for(asyncio.gather(*tasks), 10.0)
+
+    waiting, answers = asyncio.run(send_all_then_stop())
+    assert waiting > len(bodies) // 2  # most still waited when the stop began
+    assert [result.rows for _, result in answers] == [2 * len(NAMES)] * len(bodies)
+    with engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(IngestedBatch)).scalar_one() == len(bodies)
+        assert conn.execute(select(func.count()).select_from(Point)).scalar_one() == len(bodies) * 2 * len(
+            NAMES
+        )
