@@ -135,3 +135,42 @@ def test_a_short_run_in_step_holds_a_small_ring() -> None:
     assert [f.step for f in frames] == list(range(1, 201))
     assert aligner.capacity == FIRST_RING_STEPS < RING_STEPS
     assert aligner._mring.shape == (30, FIRST_RING_STEPS, 2)
+
+
+def test_each_metric_lands_in_its_own_row_whatever_names_order_and_nulls_each_rank_sends() -> None:
+    """Ranks may send different sets of names, in any order, with nulls (not measured: NaN in the frame);
+    names beyond MAX_METRICS are left out and the others keep their values."""
+    from stepwatch_server.detect.frames import MAX_METRICS
+
+    aligner = Aligner("names", 2, grace_s=30.0, capacity=16)
+    many = {f"m{i}": [float(i), float(i) + 0.5] for i in range(MAX_METRICS + 6)}
+    docs = [
+        steps_batch("names", "session-a0", 0, [1, 2], rank=0, world_size=2, loss=[1.0, None], lr=[0.1, 0.2]),
+        steps_batch(
+            "names", "session-b1", 0, [1, 2], rank=1, world_size=2, lr=[0.3, 0.4], x=[5, 6], loss=[2.0, 3.0]
+        ),
+        steps_batch("names", "session-a0", 1, [3, 4], rank=0, world_size=2, **many),
+        steps_batch("names", "session-b1", 1, [3, 4], rank=1, world_size=2, lr=[0.7, None], loss=[4.0, 5.0]),
+    ]
+    docs += [  # a new name once the rows are all taken, before a known one: left out, loss still loss
+        steps_batch("names", "session-a0", 2, [5], rank=0, world_size=2, late=[9.0], loss=[6.0]),
+        steps_batch("names", "session-b1", 2, [5], rank=1, world_size=2, loss=[7.0]),
+    ]
+    frames: list[StepFrame] = []
+    for doc in docs:
+        frames += aligner.add(parse_batch(doc))
+    by_step = {f.step: f.metrics for f in frames}
+    assert sorted(by_step) == [1, 2, 3, 4, 5]
+    np.testing.assert_array_equal(by_step[5]["loss"], [6.0, 7.0])
+    assert "late" not in by_step[5]
+    np.testing.assert_array_equal(by_step[1]["loss"], [1.0, 2.0])
+    np.testing.assert_array_equal(by_step[2]["loss"], [np.nan, 3.0])
+    np.testing.assert_array_equal(by_step[2]["lr"], [0.2, 0.4])
+    np.testing.assert_array_equal(by_step[2]["x"], [np.nan, 6.0])
+    np.testing.assert_array_equal(by_step[4]["lr"], [np.nan, np.nan])
+    np.testing.assert_array_equal(by_step[4]["loss"], [np.nan, 5.0])
+    kept = [name for name in many if name in by_step[4]]
+    assert len(kept) == MAX_METRICS - 3  # loss, lr and x took three of the rows
+    for name in kept:
+        np.testing.assert_array_equal(by_step[3][name], [many[name][0], np.nan])
+        np.testing.assert_array_equal(by_step[4][name], [many[name][1], np.nan])

@@ -2,10 +2,10 @@
 
 At the agents' cadence nearly every request is `POST /api/v1/ingest` (a 1,000-rank run sends ~500 a
 second), and the layers every FastAPI request passes through (its native OpenTelemetry check, five
-middlewares, the router's matching of every route, the dependency solver) cost about as much event-loop
-time as the handler itself (bench/README.md, "Batch rate, 2026-12-03 (2)"). `CollectorApp` sends that one
-method and path to the same handler (ingest/routes.py) with what those layers would have done for it:
-the app-wide parameter check (params.py) and the app's own exception handlers (errors.py), looked up as
+middlewares, the router's matching of every route, the dependency solver) took about a third of the event
+loop's time per batch (py-spy on a collector under bench/batch_rate.py). `CollectorApp` sends that one
+method and path to the same handler (ingest/routes.py) with what those layers would have done for it: the
+app-wide parameter check (params.py) and the app's own exception handlers (errors.py), looked up as
 Starlette looks them up. Every other request, and the OpenAPI description of ingest, are FastAPI's.
 """
 

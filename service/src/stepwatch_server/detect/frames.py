@@ -28,6 +28,7 @@ RING_STEPS = 512  # steps in flight per run at most (a batch holds at most 1,000
 FIRST_RING_STEPS = 16  # the ring's first size: doubled while a rank reports steps further ahead
 MAX_METRICS = 64  # distinct metric names aligned per run; further names are ignored by detection
 MAX_TENSOR_NAMES = 512  # distinct (stat, name) tensor series aligned per run
+MAX_NAME_SETS = 64  # sets of metric names whose ring rows are remembered (a run's ranks send one or a few)
 
 
 @dataclass(slots=True)
@@ -81,6 +82,7 @@ class Aligner:
         # Every metric's ring in one array (metric x step slot x column): one scatter per batch, one copy
         # per frame, whatever the number of metrics.
         self._metric_index: dict[str, int] = {}
+        self._rows_of_names: dict[tuple[str, ...], tuple[np.ndarray, np.ndarray | None]] = {}
         self._mring = np.full((0, self.capacity, 0), np.nan)
         self._tensors: dict[tuple[str, str], np.ndarray] = {}
         self._count = np.zeros(self.capacity, dtype=np.int32)
@@ -143,19 +145,18 @@ class Aligner:
         self._ts[slots] = np.maximum(self._ts[slots], ts)
         self._first_seen[slots] = np.minimum(self._first_seen[slots], ts)
         self.observe_time(float(ts.max()))
-        rows: list[int] = []
-        cols: list[np.ndarray] = []
-        for name, col in batch.metrics.items():
-            row = self._metric_row(name)
-            if row < 0:
-                continue
-            values = col.values[sel]
-            if col.present is not None:
-                values = np.where(col.present[sel], values, np.nan)
-            rows.append(row)
-            cols.append(values)
-        if rows:
-            self._mring[np.array(rows)[:, None], slots[None, :], rank] = np.stack(cols)
+        if batch.metrics:
+            rows, kept = self._metric_rows(tuple(batch.metrics))
+            if rows.size:
+                cols = list(batch.metrics.values())
+                values = np.stack([col.values for col in cols])
+                if any(col.present is not None for col in cols):  # JSON nulls: NaN, as not measured
+                    present = [
+                        np.ones(values.shape[1], bool) if c.present is None else c.present for c in cols
+                    ]
+                    values = np.where(np.stack(present), values, np.nan)
+                block = values[:, sel] if kept is None else values[kept][:, sel]
+                self._mring[rows[:, None], slots[None, :], rank] = block
         if batch.tensors and batch.tensor_steps.size:
             self._add_tensors(batch, rank)
         for step, value in zip(batch.fingerprint_steps.tolist(), batch.fingerprints, strict=True):
@@ -213,6 +214,19 @@ class Aligner:
         self._first_seen = moved(self._first_seen, np.inf)
         self._has_tensors = moved(self._has_tensors, False)
         self.capacity = new
+
+    def _metric_rows(self, names: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray | None]:
+        """The ring rows of a batch's metric names, in order, and which of the names have one (None: all);
+        remembered by the names (a rank sends the same names batch after batch)."""
+        found = self._rows_of_names.get(names)
+        if found is None:
+            rows = [self._metric_row(name) for name in names]
+            kept = np.array([row >= 0 for row in rows])
+            found = (np.array([row for row in rows if row >= 0], dtype=np.intp), None if kept.all() else kept)
+            if len(self._rows_of_names) >= MAX_NAME_SETS:
+                self._rows_of_names.clear()
+            self._rows_of_names[names] = found
+        return found
 
     def _metric_row(self, name: str) -> int:
         """The metric's row in the ring array (a new one for a new name), -1 beyond MAX_METRICS."""
