@@ -3,9 +3,9 @@
 Everything of a batch (its values, step timestamps, fingerprints, events, the rank's state and the
 idempotency record `(session, seq)`) is written in one transaction, so a batch is either stored
 whole and acknowledged, or not at all. Values go in as numpy columns, one statement for a whole
-group (`INSERT_POINTS`, storage/bulk.py), never one ORM object per value; names are turned into small integer series ids
-through a per-run dictionary that is cached in memory once committed. Statements are built once per
-dialect (`_Statements`) and reused.
+group (`INSERT_POINTS`, storage/bulk.py), never one ORM object per value; names are turned into small
+integer series ids through a per-run dictionary that is cached in memory once committed. Statements are
+built once per dialect (`_Statements`) and reused.
 
 Group commit (`_Group`): the batches that arrive while a transaction is being written go together
 into the next one. Those of the steady state (run, session and every name already stored) are written
@@ -300,7 +300,7 @@ def insert_points(conn: Connection, rows: Sequence[PointRow] | Sequence[Mapping[
         columns = [[r[c] for r in cast("Sequence[Mapping[str, Any]]", rows)] for c in POINT_COLUMNS]
     else:
         columns = [list(col) for col in zip(*cast("Sequence[PointRow]", rows), strict=True)]
-    columns[-1] = np.asarray(columns[-1], dtype=object).astype(np.float64)  # None: NaN
+    columns[-1] = np.asarray(columns[-1], dtype=np.float64)  # None: NaN
     INSERT_POINTS.run(conn, columns)
 
 
