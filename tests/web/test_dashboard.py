@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from collections.abc import Iterator
 from itertools import islice
@@ -143,6 +144,12 @@ def test_a_finished_run_says_finished_and_for_how_long_not_a_step_rate(report: d
     assert pace[HEALTHY_RUN].startswith("finished after "), pace
     assert "steps/s" in pace[RUN] or "s/step" in pace[RUN], pace  # still running
     assert report["runsPage"]["livePills"] == [RUN], report["runsPage"]
+
+
+def test_each_run_says_how_much_it_stores(report: dict[str, Any]) -> None:
+    stored = report["runsPage"]["stored"]
+    assert set(stored) == {RUN, HEALTHY_RUN}, stored
+    assert all(re.fullmatch(r"[0-9.]+ (B|KB|MB|GB|TB)", text) for text in stored.values()), stored
 
 
 def test_run_page_draws_every_chart(report: dict[str, Any]) -> None:

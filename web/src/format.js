@@ -38,6 +38,15 @@ export function fmtInt(n) {
   return n === null || n === undefined ? "–" : Number(n).toLocaleString("en-US");
 }
 
+// Bytes in decimal units ("12.3 MB"), as `stepwatch-server runs list` prints them.
+export function fmtBytes(n) {
+  if (n === null || n === undefined) return "–";
+  const units = ["B", "KB", "MB", "GB", "TB"];
+  let i = 0;
+  while (n >= 1000 && i < units.length - 1) { n /= 1000; i++; }
+  return i === 0 ? `${n} B` : `${n.toFixed(1)} ${units[i]}`;
+}
+
 export function fmtNum(v, digits = 3) {
   if (v === null || v === undefined) return "–";
   if (typeof v === "string") return v;

@@ -1,11 +1,11 @@
-// The runs page: every run with its verdict, size, progress, pace and open anomalies, kept live by the
+// The runs page: every run with its verdict, size, progress, pace, open anomalies and disk use, kept live by the
 // event stream (each `runs` event carries the rows that changed).
 import { getJson } from "./api.js";
 import { subscribe } from "./live.js";
-import { badge, el, fmtAgo, fmtInt, fmtPace } from "./format.js";
+import { badge, el, fmtAgo, fmtBytes, fmtInt, fmtPace } from "./format.js";
 
-const COLUMNS = ["Run", "Health", "World size", "Last step", "Step rate or duration", "Open anomalies", "Last seen"];
-const NUMBER_COLUMNS = new Set(["World size", "Last step", "Step rate or duration", "Open anomalies"]); // right-aligned
+const COLUMNS = ["Run", "Health", "World size", "Last step", "Step rate or duration", "Open anomalies", "Stored", "Last seen"];
+const NUMBER_COLUMNS = new Set(["World size", "Last step", "Step rate or duration", "Open anomalies", "Stored"]); // right-aligned
 
 export function renderRuns(main) {
   document.title = "Runs · stepwatch";
@@ -51,6 +51,8 @@ function row(r) {
     el("td", { class: "num", dataset: { field: "last-step" } }, fmtInt(r.last_step)),
     el("td", { class: "num", dataset: { field: "pace" } }, fmtPace(r)),
     el("td", { class: "num" }, r.open_anomalies ? el("a", { href: `${href}#anomalies`, "data-nav": true }, String(r.open_anomalies)) : "0"),
+    el("td", { class: "num", dataset: { field: "stored" },
+      title: `${fmtInt(r.stored_values)} values; the database's size shared out by stored values` }, fmtBytes(r.stored_bytes)),
     el("td", {}, el("time", { datetime: r.last_seen_at ?? "" }, fmtAgo(r.last_seen_at))),
   );
 }

@@ -45,6 +45,8 @@ try {
     pace: Object.fromEntries(await page.$$eval("tr[data-run]", (rows) =>
       rows.map((r) => [r.dataset.run, r.querySelector('[data-field="pace"]')?.innerText.trim()]))),
     livePills: await page.$$eval("tr[data-run]", (rows) => rows.filter((r) => r.querySelector(".pill.live")).map((r) => r.dataset.run)),
+    stored: Object.fromEntries(await page.$$eval("tr[data-run]", (rows) =>
+      rows.map((r) => [r.dataset.run, r.querySelector('[data-field="stored"]')?.innerText.trim()]))),
   };
   await page.waitForFunction(() => document.getElementById("live-status")?.dataset.state === "live", null, { timeout: 10_000 }).catch(() => {});
   await page.screenshot({ path: `${shots}/runs.png` });

@@ -42,6 +42,7 @@ from stepwatch_server.params import no_nul_in_parameters
 from stepwatch_server.responses import json_response
 from stepwatch_server.runs.rollup_worker import RollupWorker
 from stepwatch_server.runs.routes import router as runs_router
+from stepwatch_server.runs.routes import write_router as runs_write_router
 from stepwatch_server.settings import Settings
 from stepwatch_server.storage import make_engine, upgrade
 from stepwatch_server.web import live, pages
@@ -156,6 +157,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(router, dependencies=[Depends(check)], responses=auth.READ_RESPONSES)
 
     app.include_router(ingest_router)
+    app.include_router(runs_write_router)  # DELETE /api/v1/runs/{run}: checks its write token itself
     app.include_router(auth.router)  # the dashboard's login: a cookie for reads
     reads(detect_router)  # before runs: `/runs/{run:path}` would take `/runs/x/anomalies`
     reads(dashboard_router)  # before runs, for the same reason

@@ -1,5 +1,6 @@
 """`stepwatch-server`: run the collector (`serve`), a detection worker of the bus (`detect`), a live
-demonstration (`demo`), send a test alert (`alerts test --channel NAME`), or `grafana push`."""
+demonstration (`demo`), send a test alert (`alerts test --channel NAME`), `grafana push`, or list and
+delete runs (`runs list`, `runs delete RUN`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 
 from stepwatch_server.detect.anomalies import KINDS
 from stepwatch_server.grafana.command import add_grafana_command, run_grafana_command
+from stepwatch_server.runs.command import add_runs_command, run_runs_command
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -139,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop the collector when training ends (default: keep serving)",
     )
     add_grafana_command(sub)
+    add_runs_command(sub)
     alerts = sub.add_parser("alerts", help="alert channels (docs/alerts.md)")
     alerts_sub = alerts.add_subparsers(dest="alerts_command", required=True)
     test = alerts_sub.add_parser("test", help="send a test message to one channel now and report the answer")
@@ -185,6 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "grafana":
         return run_grafana_command(args)
+    if args.command == "runs":
+        return run_runs_command(args)
     if args.command == "alerts":
         return _alerts_test(args)
     if args.command == "detect":

@@ -82,10 +82,15 @@ class BusPublisher(BackgroundWorker):
             f"{self.stream_backlog:,} batches wait in the bus for a detection worker (is `detect` running?)"
         )
 
-    async def hand_over(self, batch: Batch, ack_monotonic: float) -> None:
+    async def hand_over(
+        self, batch: Batch, ack_monotonic: float, run_id: int | None = None, new_run: bool = False
+    ) -> None:
         """Add a stored batch to its run's stream; returns once it is there or, while Redis is down, kept
         here for later."""
-        entry = _Entry(streams.stream_key(streams.partition(batch.run)), streams.encode(batch, time.time()))
+        entry = _Entry(
+            streams.stream_key(streams.partition(batch.run)),
+            streams.encode(batch, time.time(), run_id, new_run),
+        )
         if not self.connected:  # kept in order behind the others; the answer need not wait for Redis
             self._waiting.append(entry)
             return

@@ -73,11 +73,18 @@ def check_partitions(client: redis.Redis) -> int:
     return recorded
 
 
-def encode(batch: Batch, ack_ts: float) -> dict[str, bytes]:
-    return {"b": pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL), "t": repr(ack_ts).encode()}
+def encode(batch: Batch, ack_ts: float, run_id: int | None = None, new_run: bool = False) -> dict[str, bytes]:
+    fields = {"b": pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL), "t": repr(ack_ts).encode()}
+    if run_id is not None:
+        fields["r"] = str(run_id).encode()
+    if new_run:
+        fields["n"] = b"1"
+    return fields
 
 
-def decode(fields: dict[Any, Any]) -> tuple[Batch, float]:
-    """(the batch, the wall time its ingest answered) of a stream entry."""
+def decode(fields: dict[Any, Any]) -> tuple[Batch, float, int | None, bool]:
+    """(the batch, the wall time its ingest answered, the run's id in the database, whether the batch
+    created the run) of a stream entry (an entry written before the last two were added has neither)."""
     batch = pickle.loads(fields[b"b"])  # written by our ingest processes only (module docstring)
-    return batch, float(fields[b"t"])
+    run_id = fields.get(b"r")
+    return batch, float(fields[b"t"]), None if run_id is None else int(run_id), b"n" in fields

@@ -167,8 +167,11 @@ class StreamDetection(BackgroundWorker):
         changed: list[Anomaly] = []
         now = time.time()
         for entry_id, fields in entries:
-            batch, ack_ts = streams.decode(fields)
-            out = self._guard("feed", stream.engine.feed, batch, now if store else ack_ts) or []
+            batch, ack_ts, run_id, new_run = streams.decode(fields)
+            out = (
+                self._guard("feed", stream.engine.feed, batch, now if store else ack_ts, run_id, new_run)
+                or []
+            )
             if store:
                 changed += out
                 stream.unacked.append(entry_id)
@@ -197,7 +200,12 @@ class StreamDetection(BackgroundWorker):
                     stream.unacked.clear()
 
     def _save(self, anomalies: list[Anomaly]) -> int | None:
-        return self._guard("store", save_anomalies, self.db, anomalies, self._on_stored)
+        return self._guard("store", save_anomalies, self.db, anomalies, self._on_stored, self._forget)
+
+    def _forget(self, runs: list[str]) -> None:
+        """Drop the state of runs deleted from the database (`save_anomalies` found them gone)."""
+        for stream in self.owned.values():
+            stream.engine.forget(runs)
 
     # -- leases -----------------------------------------------------------------------------------
     def _leases(self) -> None:

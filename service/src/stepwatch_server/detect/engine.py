@@ -46,6 +46,9 @@ class EngineSettings:
 
 
 class RunDetection:
+    run_id: int | None = None  # the database's id of the run, once a batch said it (class default: a
+    # snapshot pickled before the attribute existed unpickles with it)
+
     def __init__(
         self, run: str, world_size: int, settings: EngineSettings, ctx: RunContext | None = None
     ) -> None:
@@ -116,18 +119,33 @@ class DetectionEngine:
             log.warning("straggler and slow_node share one slowness computation; %s", line)
         self.runs: OrderedDict[str, RunDetection] = OrderedDict()
 
-    def feed(self, batch: Batch, wall_now: float | None = None) -> list[Anomaly]:
-        """Process one stored batch; returns the anomalies it opened, updated or resolved."""
+    def feed(
+        self, batch: Batch, wall_now: float | None = None, run_id: int | None = None, new_run: bool = False
+    ) -> list[Anomaly]:
+        """Process one stored batch; returns the anomalies it opened, updated or resolved. `run_id` is the
+        database's id of the run the batch was stored in, `new_run` whether storing it created the run: a
+        run known here by its name that the batch created, or that has another id now, was deleted and its
+        name used again, so its detection starts afresh (SQLite may give the new run the old id)."""
         now = time.time() if wall_now is None else wall_now
         rd = self.runs.get(batch.run)
+        if rd is not None and (new_run or (None not in (run_id, rd.run_id) and rd.run_id != run_id)):
+            log.info("detection: run %r was deleted and sends again; its detection starts afresh", batch.run)
+            rd = None
         if rd is None or rd.ctx.world_size != batch.world_size:
             rd = RunDetection(batch.run, batch.world_size, self.settings, rd.ctx if rd else None)
             self.runs[batch.run] = rd
             while len(self.runs) > MAX_RUNS:
                 self.runs.popitem(last=False)
         self.runs.move_to_end(batch.run)
+        if run_id is not None:
+            rd.run_id = run_id
         rd.feed(batch, now)
         return rd.ctx.book.drain_changes()
+
+    def forget(self, runs: list[str]) -> None:
+        """Drop the state of `runs` (no longer in the database: deleted)."""
+        for run in runs:
+            self.runs.pop(run, None)
 
     def adopt(self, run: str, world_size: int, anomalies: list[Anomaly]) -> None:
         """Continue a run's open anomalies stored by an earlier process (see `AnomalyBook.adopt`)."""

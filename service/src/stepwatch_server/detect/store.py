@@ -110,11 +110,16 @@ class Stored:
 StoredHook = Callable[[Connection, list[Stored]], None]
 
 
-def save_anomalies(engine: Engine, anomalies: Iterable[Anomaly], on_stored: StoredHook | None = None) -> int:
+def save_anomalies(
+    engine: Engine,
+    anomalies: Iterable[Anomaly],
+    on_stored: StoredHook | None = None,
+    on_missing: Callable[[list[str]], None] | None = None,
+) -> int:
     """Insert or update `anomalies` in one transaction; returns the rows written.
 
-    Anomalies of runs not in the database (cannot happen for batches that were stored first) are
-    skipped with a warning. When the same anomaly appears twice, the last one wins. `on_stored` runs
+    Anomalies of runs not in the database (deleted since their batches were stored) are skipped, and
+    their names given to `on_missing` (the detection loop then drops those runs' state). When the same anomaly appears twice, the last one wins. `on_stored` runs
     in the transaction with what was written (module docstring).
     """
     latest: dict[tuple[str, str, str, int], Anomaly] = {}
@@ -130,7 +135,9 @@ def save_anomalies(engine: Engine, anomalies: Iterable[Anomaly], on_stored: Stor
         rows = [_row(a, ids[a.run], now) for a in kept]
         missing = sorted(set(names) - set(ids))
         if missing:
-            log.warning("anomalies of unknown runs not stored: %s", ", ".join(map(repr, missing[:5])))
+            log.info("anomalies of deleted runs not stored: %s", ", ".join(map(repr, missing[:5])))
+            if on_missing is not None:
+                on_missing(missing)
         if rows:
             keys = [tuple(row[k] for k in _KEY) for row in rows]
             before = _states(conn, keys) if on_stored is not None else {}

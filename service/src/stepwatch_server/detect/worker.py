@@ -97,7 +97,9 @@ class DetectionWorker(BackgroundWorker):
         self.db = engine
         self._on_stored = on_stored  # called in each write's transaction (detect/store.py)
         self.engine = DetectionEngine(settings)
-        self._queue: queue.Queue[tuple[Batch, float]] = queue.Queue()  # bounded by the slots
+        self._queue: queue.Queue[tuple[Batch, float, int | None, bool]] = (
+            queue.Queue()
+        )  # bounded by the slots
         self._slots = threading.Semaphore(MAX_QUEUED_BATCHES)
         self._lag_s: collections.deque[float] = collections.deque(maxlen=LAG_WINDOW)
         self._unsaved = UnsavedChanges()
@@ -126,9 +128,17 @@ class DetectionWorker(BackgroundWorker):
         """Give back a slot whose batch will not be submitted (a duplicate, a refused or failed write)."""
         self._slots.release()
 
-    def submit(self, batch: Batch, ack_monotonic: float | None = None, reserved: bool = False) -> bool:
-        """Queue a stored batch for detection, in the slot taken by `reserve()` when `reserved`; False
-        when it was dropped (no slot free, or stopping)."""
+    def submit(
+        self,
+        batch: Batch,
+        ack_monotonic: float | None = None,
+        reserved: bool = False,
+        run_id: int | None = None,
+        new_run: bool = False,
+    ) -> bool:
+        """Queue a stored batch (stored in run `run_id`, which it created when `new_run`:
+        `DetectionEngine.feed`) for detection, in the slot taken by `reserve()` when `reserved`; False when
+        it was dropped (no slot free, or stopping)."""
         ack = time.monotonic() if ack_monotonic is None else ack_monotonic
         with self._lock:
             self.submitted += 1
@@ -138,7 +148,7 @@ class DetectionWorker(BackgroundWorker):
             return self._drop("the detection worker is stopping")
         if not reserved and not self.reserve():
             return self._drop(f"the detection queue is full ({MAX_QUEUED_BATCHES} batches)")
-        self._queue.put_nowait((batch, ack))
+        self._queue.put_nowait((batch, ack, run_id, new_run))
         return True
 
     def _drop(self, why: str) -> bool:
@@ -155,10 +165,12 @@ class DetectionWorker(BackgroundWorker):
         """Why `reserve()` says no, for the 429's message."""
         return f"{MAX_QUEUED_BATCHES:,} batches wait for the detection worker"
 
-    async def hand_over(self, batch: Batch, ack_monotonic: float) -> None:
+    async def hand_over(
+        self, batch: Batch, ack_monotonic: float, run_id: int | None = None, new_run: bool = False
+    ) -> None:
         """Queue a stored batch in the slot its request reserved (the ingest route's call, which the bus's
         publisher answers too: bus/publisher.py)."""
-        self.submit(batch, ack_monotonic, reserved=True)
+        self.submit(batch, ack_monotonic, reserved=True, run_id=run_id, new_run=new_run)
 
     # -- the thread -----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -172,15 +184,15 @@ class DetectionWorker(BackgroundWorker):
                 break
             items = self._take(timeout_s=max(0.0, TICK_INTERVAL_S - (time.monotonic() - last_tick)))
             changed: list[Anomaly] = []
-            for batch, _ in items:
-                changed += self._guard("feed", self.engine.feed, batch, time.time()) or []
+            for batch, _, run_id, new_run in items:
+                changed += self._guard("feed", self.engine.feed, batch, time.time(), run_id, new_run) or []
             if time.monotonic() - last_tick >= TICK_INTERVAL_S:
                 changed += self._guard("tick", self.engine.tick, time.time()) or []
                 last_tick = time.monotonic()
             self._store(changed)
             if items:
                 done = time.monotonic()
-                lags = [done - ack for _, ack in items]
+                lags = [done - item[1] for item in items]
                 with self._lock:
                     self._lag_s.extend(lags)
                     self.processed += len(items)
@@ -189,7 +201,7 @@ class DetectionWorker(BackgroundWorker):
         if not self._queue.empty():
             log.warning("detection: %d queued batches left unprocessed at stop", self._queue.qsize())
 
-    def _take(self, timeout_s: float) -> list[tuple[Batch, float]]:
+    def _take(self, timeout_s: float) -> list[tuple[Batch, float, int | None, bool]]:
         try:
             items = [self._queue.get(timeout=timeout_s) if timeout_s > 0 else self._queue.get_nowait()]
         except queue.Empty:
@@ -209,7 +221,7 @@ class DetectionWorker(BackgroundWorker):
             self._stop.wait(SAVE_RETRY_S)
 
     def _save(self, anomalies: list[Anomaly]) -> int | None:
-        return self._guard("store", save_anomalies, self.db, anomalies, self._on_stored)
+        return self._guard("store", save_anomalies, self.db, anomalies, self._on_stored, self.engine.forget)
 
     def _adopt(self) -> None:
         runs = self._guard("adopt", load_open, self.db) or []

@@ -117,7 +117,7 @@ async def _after_commit(request: Request, batch: Batch, result: IngestResult) ->
     stored = result.rows > 0 or batch.steps.size > 0 or batch.heartbeat is not None
     if worker is not None:
         if not result.duplicate and stored:
-            await worker.hand_over(batch, time.monotonic())
+            await worker.hand_over(batch, time.monotonic(), result.run_id, result.new_run)
         else:
             worker.release()
     if request.app.state.rollups is not None and result.steps is not None:  # runs/rollup_worker.py

@@ -120,6 +120,10 @@ class SeriesIds:
             while len(self._runs) > self.max_runs:
                 self._runs.popitem(last=False)
 
+    def forget(self, run_id: int) -> None:
+        with self._lock:
+            self._runs.pop(run_id, None)
+
 
 RUN_TOUCH_INTERVAL_S = 5.0  # runs.last_seen_at is refreshed at most this often (it is a hot row)
 
@@ -134,9 +138,10 @@ _SESSIONS: Table = AgentSession.__table__  # type: ignore[assignment]
 
 def _rank_update() -> Any:
     """One rank's state after a batch, in ONE statement that reads the row it updates (SET expressions see
-    the row as it was): a late batch of an older incarnation changes only `last_seen_at`; a newer
-    incarnation takes over the identity and resets `last_step`; the same incarnation moves `last_step`
-    forward only, and the heartbeat to a later one only. Parameters are prefixed `b_` (SQLAlchemy keeps
+    the row as it was): every stored batch adds its rows to `stored_values`; a late batch of an older
+    incarnation changes only that and `last_seen_at`; a newer incarnation takes over the identity and
+    resets `last_step`; the same incarnation moves `last_step` forward only, and the heartbeat to a later
+    one only. Parameters are prefixed `b_` (SQLAlchemy keeps
     the columns' own names for its SET clause); flags say which optional values the batch has, since a
     JSON NULL is not SQL NULL."""
     c = _RANKS.c
@@ -177,6 +182,7 @@ def _rank_update() -> Any:
                 else_=c.agent_counters,
             ),
             incarnation=case((newer, inc), else_=c.incarnation),
+            stored_values=c.stored_values + bindparam("b_rows", type_=c.stored_values.type),
         )
     )
 
@@ -250,6 +256,7 @@ class IngestResult:
     restarted: bool = False  # this batch opened a new incarnation (> 1) of its rank
     duplicate: bool = False  # (session, seq) was stored before: nothing was written
     steps: tuple[int, int] | None = None  # the first and last step of the values stored (for rollups)
+    new_run: bool = False  # this batch created its run's row (detection: a name seen before was deleted)
 
     def answer(self) -> dict[str, Any]:
         return {
@@ -504,6 +511,7 @@ def _rank_params(batch: Batch, run_id: int, incarnation: int, now: dt.datetime) 
         "b_agent_version": batch.agent_version,
         "b_has_counters": batch.agent_counters is not None,
         "b_agent_counters": batch.agent_counters,
+        "b_rows": batch.value_rows(),
         **{f"b_{name}": getattr(batch, name) for name in RANK_IDENTITY},
     }
 
@@ -521,6 +529,7 @@ def _new_rank(p: dict[str, Any]) -> dict[str, Any]:
         "phase": p["b_phase"],
         "agent_version": p["b_agent_version"],
         "agent_counters": p["b_agent_counters"],
+        "stored_values": p["b_rows"],
     }
 
 
@@ -666,6 +675,10 @@ class BatchWriter:
             except IntegrityError:
                 if attempt == MAX_WRITE_ATTEMPTS:
                     raise
+                # A race on a unique key, or a row this writer remembered is gone (its run was deleted, by
+                # this process or another): what it remembers of the run is read again.
+                self.forget_run(batch.run)
+                prebuilt = None
                 log.debug("ingest race on a unique key (attempt %d); retrying", attempt)
                 time.sleep(random.uniform(0.0, 0.01 * attempt))
                 continue
@@ -708,6 +721,18 @@ class BatchWriter:
             return None
         ids = self.series_ids.lookup(run[0], _wanted(batch))
         return None if ids is None else (run[0], session[2], ids)
+
+    def forget_run(self, run: str, run_id: int | None = None) -> None:
+        """Drop what this writer remembers of run `run` (id `run_id`, or the one it knows): its id, its
+        sessions and its series ids, so the next batch of that name reads (or creates) them afresh. Called
+        when the run was deleted here, and when a write missed a row it named (deleted by another process)."""
+        with self._known_lock:
+            known = self._runs.pop(run, None)
+            ids = {i for i in (run_id, known[0] if known else None) if i is not None}
+            for session in [s for s, (rid, _, _) in self._sessions.items() if rid in ids]:
+                del self._sessions[session]
+        for i in ids:
+            self.series_ids.forget(i)
 
     def _remember(self, batch: Batch, result: IngestResult, touched: float | None) -> None:
         """After a commit: the batch's run and (once it holds a step) its session."""
@@ -846,7 +871,7 @@ class BatchWriter:
     ) -> IngestResult:
         now = _utcnow()
         st = _statements(conn)
-        run_id, touch = self._run_id(conn, st, batch, now)
+        run_id, touch, created = self._run_id(conn, st, batch, now)
         incarnation, new_session = self._session(conn, st, batch, run_id, now)
         rows = batch.value_rows()
         if not _insert_records(
@@ -871,23 +896,27 @@ class BatchWriter:
             incarnation=incarnation,
             run_id=run_id,
             restarted=new_session and incarnation > 1,
+            new_run=created,
             steps=_value_steps(batch) if len(points) else None,
         )
 
-    def _run_id(self, conn: Connection, st: _Statements, batch: Batch, now: dt.datetime) -> tuple[int, bool]:
-        """The run's id (its row created if new), and whether its row is due a touch (done by the caller)."""
+    def _run_id(
+        self, conn: Connection, st: _Statements, batch: Batch, now: dt.datetime
+    ) -> tuple[int, bool, bool]:
+        """The run's id (its row created if new), whether its row is due a touch (done by the caller), and
+        whether this call created it."""
         row = conn.execute(st.run, {"b_name": batch.run}).first()
         if row is None:
-            conn.execute(
+            created = conn.execute(
                 st.new_run,
                 {"name": batch.run, "world_size": batch.world_size, "created_at": now, "last_seen_at": now},
-            )
-            return int(conn.execute(st.run_id, {"b_name": batch.run}).scalar_one()), False
+            ).rowcount  # 0 when a concurrent first batch created it
+            return int(conn.execute(st.run_id, {"b_name": batch.run}).scalar_one()), False, created == 1
         run_id, world_size, last_seen = int(row[0]), int(row[1]), row[2]
         # The run row is shared by every rank: update it only when something changed, so that
         # concurrent ranks do not queue on its row lock.
         due = world_size != batch.world_size or (now - last_seen).total_seconds() > RUN_TOUCH_INTERVAL_S
-        return run_id, due
+        return run_id, due, False
 
     def _session(
         self, conn: Connection, st: _Statements, batch: Batch, run_id: int, now: dt.datetime

@@ -40,6 +40,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import Connection, Engine, and_, func, select
 
 from stepwatch_server.detect.anomalies import KINDS, SEVERITIES
+from stepwatch_server.storage.disk import database_bytes
 from stepwatch_server.storage.models import METRIC_STAT, Anomaly, Event, Point, Rank, Run, Series, StepRecord
 from stepwatch_server.timeline import holding_up
 
@@ -152,6 +153,12 @@ class RunHealthCollector(Collector):
                 # ~0.4 s JIT-compiling a query that runs in a few ms.
                 conn.exec_driver_sql("SET LOCAL jit = off")
             runs = _read(conn)
+            size = database_bytes(conn)
+        yield GaugeMetricFamily(
+            "stepwatch_database_bytes",
+            "The database's size on disk (SQLite: the file and its WAL)",
+            value=size,
+        )
         yield from _families(runs)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from stepwatch_server.responses import Num
 
@@ -22,6 +22,16 @@ class RunSummary(BaseModel):
     last_seen_at: dt.datetime | None
     last_step: int | None
     ranks: int
+    stored_values: int = Field(description="values, fingerprints and events stored for the run")
+    stored_bytes: int = Field(
+        description="an estimate: the database's size shared out over the runs by their stored values"
+    )
+
+
+class RunDeleted(BaseModel):
+    run: str
+    deleted: dict[str, int] = Field(description="rows removed, per table")
+    seconds: float
 
 
 class RunsAnswer(BaseModel):

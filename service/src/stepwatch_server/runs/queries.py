@@ -16,6 +16,7 @@ from sqlalchemy import Connection, Row, Select, and_, func, select
 
 from stepwatch_server.errors import NotFound
 from stepwatch_server.storage.chunks import chunk_size, chunks
+from stepwatch_server.storage.disk import database_bytes, share
 from stepwatch_server.storage.models import (
     METRIC_STAT,
     AgentSession,
@@ -54,16 +55,19 @@ def find_run(conn: Connection, name: str) -> Row[Any]:
     return row
 
 
-def _rank_summary() -> Select[int, int, int | None, dt.datetime]:
+def _rank_summary() -> Select[int, int, int | None, dt.datetime, int]:
     return select(
         Rank.run_id,
         func.count().label("ranks"),
         func.max(Rank.last_step).label("last_step"),
         func.max(Rank.last_seen_at).label("last_seen_at"),
+        func.sum(Rank.stored_values).label("stored_values"),
     ).group_by(Rank.run_id)
 
 
 def run_summaries(conn: Connection, run_id: int | None = None) -> list[dict[str, Any]]:
+    """Every run (or run `run_id`), most recently seen first, with its disk use: `stored_values`, and
+    `stored_bytes`, its share of the database's size by stored values (storage/disk.py)."""
     summary = _rank_summary().subquery()
     query = (
         select(
@@ -74,14 +78,18 @@ def run_summaries(conn: Connection, run_id: int | None = None) -> list[dict[str,
             summary.c.ranks,
             summary.c.last_step,
             summary.c.last_seen_at.label("ranks_seen_at"),
+            summary.c.stored_values,
         )
         .outerjoin(summary, summary.c.run_id == Run.id)
         .order_by(Run.last_seen_at.desc(), Run.id.desc())
     )
     if run_id is not None:
         query = query.where(Run.id == run_id)
+    size = database_bytes(conn)
+    all_values = int(conn.execute(select(func.coalesce(func.sum(Rank.stored_values), 0))).scalar_one())
     out = []
     for run in conn.execute(query):
+        values = int(run.stored_values or 0)
         out.append(
             {
                 "name": run.name,
@@ -90,6 +98,8 @@ def run_summaries(conn: Connection, run_id: int | None = None) -> list[dict[str,
                 "last_seen_at": _later(run.last_seen_at, run.ranks_seen_at),
                 "last_step": run.last_step,
                 "ranks": run.ranks or 0,
+                "stored_values": values,
+                "stored_bytes": share(size, values, all_values),
             }
         )
     return out

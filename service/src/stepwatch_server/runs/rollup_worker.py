@@ -197,6 +197,9 @@ class RollupWorker(BackgroundWorker):
         try:
             with write_transaction(self.db) as conn:
                 planned = rollups.plan(conn, run_id, first, last, max_values)
+                if planned is None:  # the run was deleted: nothing of it is left to roll up
+                    self._trouble.pop(run_id, None)
+                    return last
                 groups = rollups.parts(conn, planned, self.max_values_per_transaction)
             for i, ids in enumerate(groups):  # short transactions: ingest's writes get the lock between
                 if i:

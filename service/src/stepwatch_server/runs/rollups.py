@@ -54,7 +54,7 @@ from sqlalchemy import Connection, bindparam, func, select, text
 
 from stepwatch_server.runs.queries import read_points
 from stepwatch_server.storage.chunks import chunk_size, chunks
-from stepwatch_server.storage.models import AgentSession, RollupMark, Series
+from stepwatch_server.storage.models import AgentSession, RollupMark, Run, Series
 
 BUCKET_STEPS = 64  # a level-0 rank rollup's bucket; level k's is BUCKET_STEPS << k steps wide
 LEVELS = 13  # levels 0..12: buckets of 64 .. 262,144 steps, each twice as wide as the one below
@@ -205,19 +205,26 @@ def roll_up(
 ) -> int:
     """Recompute run `run_id`'s rollups of the whole buckets holding steps first..last from the raw
     points (`plan`, then `apply`), raise the run's watermark to the last step done, and return it.
-    Call inside a write transaction."""
+    Call inside a write transaction. A run deleted meanwhile has nothing to roll up: `last_step`."""
     planned = plan(conn, run_id, first_step, last_step, max_values)
+    if planned is None:
+        return last_step
     apply(conn, planned)
     return planned.last_step
 
 
-def plan(conn: Connection, run_id: int, first_step: int, last_step: int, max_values: int = NO_LIMIT) -> Round:
+def plan(
+    conn: Connection, run_id: int, first_step: int, last_step: int, max_values: int = NO_LIMIT
+) -> Round | None:
     """The round that rolls up steps first..last of run `run_id`: only as many whole buckets from the
-    first as hold about `max_values` values (series x ranks x steps; at least one bucket).
+    first as hold about `max_values` values (series x ranks x steps; at least one bucket). None when the
+    run is no longer in the database (deleted: runs/deletion.py).
 
     The watermark only ever moves over steps that were rolled up: a range that starts above it
     starts at it instead (the steps between were never handed over, e.g. a collector stopped
     before its last round); a run without one starts at its first session's first step."""
+    if conn.execute(select(Run.id).where(Run.id == run_id)).scalar() is None:
+        return None
     mark = conn.execute(select(RollupMark.rolled_to).where(RollupMark.run_id == run_id)).scalar()
     if mark is None:
         started = conn.execute(select(func.min(AgentSession.first_step)).where(AgentSession.run_id == run_id))

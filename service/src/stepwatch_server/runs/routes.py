@@ -1,4 +1,5 @@
-"""The read API: runs, ranks, series, tensor statistics, step times, fingerprints, events.
+"""The runs API: reading runs, ranks, series, tensor statistics, step times, fingerprints and events
+(`router`, behind the read check), and deleting a run (`write_router`: a write token for the run).
 
 Endpoints are sync functions, so FastAPI runs them (and their queries) in the thread pool. Run
 names may contain '/', so `{run:path}` is used and the sub-resources are declared first.
@@ -7,23 +8,27 @@ Non-finite values are written as "NaN", "Infinity" and "-Infinity", as in the in
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Annotated, Any
 
 import numpy as np
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Depends, Query, Request
 from sqlalchemy import Connection
 from starlette.responses import Response
 
-from stepwatch_server.auth import ReadAccess
-from stepwatch_server.errors import RUN_NOT_FOUND, InvalidParameter, NotFound
+from stepwatch_server.auth import Grant, ReadAccess, check_write, write_access
+from stepwatch_server.errors import RUN_NOT_FOUND, ApiError, ErrorAnswer, InvalidParameter, NotFound
 from stepwatch_server.ingest.schema import EVENT_KINDS, MAX_WORLD_SIZE
 from stepwatch_server.params import Conn, FromStep, MaxPoints, ToStep
 from stepwatch_server.responses import float_list, json_response
-from stepwatch_server.runs import answers, queries, rank_rollups, step_rollups
+from stepwatch_server.runs import answers, deletion, queries, rank_rollups, step_rollups
 from stepwatch_server.runs.downsample import DEFAULT_MAX_POINTS, downsample
 from stepwatch_server.storage.models import METRIC_STAT
 
 router = APIRouter(prefix="/api/v1", tags=["runs"])
+write_router = APIRouter(prefix="/api/v1", tags=["runs"])
+log = logging.getLogger(__name__)
 
 MAX_EVENTS = 10_000
 
@@ -251,6 +256,47 @@ def get_events(
     found = queries.find_run(conn, run)
     return json_response(
         {"events": queries.read_events(conn, found.id, kind, rank, from_step, to_step, limit)}
+    )
+
+
+@write_router.delete(
+    "/runs/{run:path}",
+    summary="Delete a run and every row of it (write scope)",
+    responses={
+        **RUN_NOT_FOUND,
+        200: {"model": answers.RunDeleted},
+        409: {"model": ErrorAnswer, "description": "The run is live (`run_live`); `force=true` deletes it."},
+    },
+)
+def delete_run(
+    run: str,
+    request: Request,
+    grant: Annotated[Grant | None, Depends(write_access)],
+    force: Annotated[bool, Query(description="delete a run heard from within the last 30 s too")] = False,
+) -> Response:
+    """Removes the run in short transactions (runs/deletion.py) and answers once it is gone, with the rows
+    removed per table. A live run is refused unless `force`: its next batch would create it again."""
+    check_write(grant, run)
+    engine = request.app.state.engine
+    with engine.connect() as conn:
+        found = deletion.find(conn, run)
+    if found is None:
+        raise NotFound(f"run {run!r} not found; GET /api/v1/runs lists the runs", field="run")
+    ago = deletion.live_for(found)
+    if ago is not None and not force:
+        raise ApiError(
+            f"run {run!r} is live (its last batch {ago:.0f} s ago): stop its training first, or add "
+            "force=true (its next batch would create it again, as a new run of the same name)",
+            field="force",
+            code="run_live",
+            status=409,
+        )
+    started = time.monotonic()
+    deleted = deletion.delete_run(engine, found)
+    request.app.state.writer.forget_run(found.name, found.id)
+    log.info("deleted run %r (id %d): %s rows", found.name, found.id, f"{sum(deleted.values()):,}")
+    return json_response(
+        {"run": found.name, "deleted": deleted, "seconds": round(time.monotonic() - started, 3)}
     )
 
 

@@ -29,6 +29,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -103,6 +104,8 @@ class Rank(Base):
     phase: Mapped[str | None] = mapped_column(String(200))
     agent_version: Mapped[str | None] = mapped_column(String(64))
     agent_counters: Mapped[dict[str, Any] | None]
+    # Values, fingerprints and events stored for the rank (the `rows` of its ingest answers): its disk use.
+    stored_values: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
 
 
 class AgentSession(Base):
