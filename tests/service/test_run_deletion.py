@@ -1,4 +1,4 @@
-"""Deleting a run and seeing what each run stores (README "Disk use and deleting a run"), against a real
+"""Deleting a run and seeing what each run stores (README "Disk use, retention and deleting a run"), against a real
 collector on both backends: `DELETE /api/v1/runs/{run}`, `stepwatch-server runs delete`/`runs list`,
 `stored_values`/`stored_bytes` in the run answers, `stepwatch_database_bytes` in /metrics.
 """

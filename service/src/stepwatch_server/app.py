@@ -2,7 +2,8 @@
 
 The lifespan owns the database engine and the workers: it creates the engine, applies the
 migrations, builds the batch writer, starts the rollup worker (runs/rollup_worker.py) and the
-detection worker (detect/worker.py) unless `settings.detection` is off, and at shutdown stops the
+detection worker (detect/worker.py) unless `settings.detection` is off, the retention worker
+(runs/expiry.py) when a retention is set, and at shutdown stops the
 workers (draining them within their deadlines) before disposing of the engine.
 
 With `settings.alerts`, it also starts the alert worker (alerts/worker.py) before the detection
@@ -40,6 +41,7 @@ from stepwatch_server.ingest.store import BatchWriter
 from stepwatch_server.metrics import router as metrics_router
 from stepwatch_server.params import no_nul_in_parameters
 from stepwatch_server.responses import json_response
+from stepwatch_server.runs.expiry import ExpiryWorker
 from stepwatch_server.runs.rollup_worker import RollupWorker
 from stepwatch_server.runs.routes import router as runs_router
 from stepwatch_server.runs.routes import write_router as runs_write_router
@@ -78,6 +80,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.live = live.LiveFeed(engine, app.state.stopping)
             app.state.rollups = RollupWorker(engine).start()
             started.append(app.state.rollups)
+            if settings.raw_retention_days is not None or settings.run_retention_days is not None:
+                writer = app.state.writer
+                app.state.expiry = ExpiryWorker(
+                    engine,
+                    settings.raw_retention_days,
+                    settings.run_retention_days,
+                    on_deleted=lambda run: writer.forget_run(run.name, run.id),
+                ).start()
+                started.append(app.state.expiry)
             if settings.detection and settings.bus is not None:  # detect workers take it from there
                 from stepwatch_server.bus.metrics import PublisherMetrics
                 from stepwatch_server.bus.publisher import BusPublisher
@@ -142,6 +153,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.detection = None
     app.state.alerts = None
     app.state.rollups = None
+    app.state.expiry = None
     app.state.live = None
     app.state.metric_collectors = []  # more Prometheus collectors for /metrics (the bus's, with --bus)
     app.state.ingest = None

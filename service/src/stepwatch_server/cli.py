@@ -50,6 +50,17 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
         "need a token (default $STEPWATCH_PUBLIC_READ)",
     )
     _add_alerts_option(parser)
+    for name, what in (
+        ("raw", "each run's per-rank values of the steps finished longer ago (rollups stay)"),
+        ("run", "a run not heard from for longer"),
+    ):
+        parser.add_argument(
+            f"--{name}-retention-days",
+            type=float,
+            default=None,
+            metavar="DAYS",
+            help=f"delete {what}; default ${'STEPWATCH_' + name.upper() + '_RETENTION_DAYS'}, else keep forever",
+        )
 
 
 def _add_alerts_option(parser: argparse.ArgumentParser) -> None:
@@ -212,6 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             extra["public_read"] = True
         if getattr(args, "bus", None):
             extra["bus"] = args.bus
+        for name in ("raw_retention_days", "run_retention_days"):
+            if getattr(args, name, None) is not None:
+                extra[name] = getattr(args, name)
         settings = Settings.from_env(database_url=args.database_url, token=args.token, **extra)
     except ValueError as exc:
         print(f"stepwatch-server: {exc}", file=sys.stderr)

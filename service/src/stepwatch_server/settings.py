@@ -49,6 +49,24 @@ def _env_alerts() -> AlertsConfig | None:
     return load_config(path)
 
 
+def _env_days(name: str) -> float | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}: expected a number of days (e.g. 30 or 0.5), got {raw!r}") from None
+
+
+def _env_raw_retention() -> float | None:
+    return _env_days("STEPWATCH_RAW_RETENTION_DAYS")
+
+
+def _env_run_retention() -> float | None:
+    return _env_days("STEPWATCH_RUN_RETENTION_DAYS")
+
+
 def _env_bus() -> str | None:
     return os.environ.get("STEPWATCH_BUS", "").strip() or None
 
@@ -143,6 +161,10 @@ class Settings:
 
     `bus` (STEPWATCH_BUS), a redis:// URL: the collector detects nothing itself and adds each stored
     batch to the bus for `stepwatch-server detect` workers (bus/; README, "Running at scale").
+
+    `raw_retention_days` (STEPWATCH_RAW_RETENTION_DAYS): per-rank values, step times and fingerprints of
+    steps finished longer ago are deleted once rolled up; `run_retention_days` (STEPWATCH_RUN_RETENTION_DAYS):
+    a run not heard from for longer is deleted (runs/expiry.py). None: kept forever.
     """
 
     database_url: str = field(default_factory=_env_database_url)
@@ -155,6 +177,8 @@ class Settings:
     detection_overrides: dict[str, dict[str, Any]] = field(default_factory=_env_detection_overrides)
     alerts: AlertsConfig | None = field(default_factory=_env_alerts)
     bus: str | None = field(default_factory=_env_bus)
+    raw_retention_days: float | None = field(default_factory=_env_raw_retention)
+    run_retention_days: float | None = field(default_factory=_env_run_retention)
 
     @classmethod
     def from_env(
@@ -186,6 +210,12 @@ class Settings:
                 "postgresql+psycopg://user@host/db"
             ) from None
         check_detection_overrides(self.detection_overrides)
+        for name, value in (("raw", self.raw_retention_days), ("run", self.run_retention_days)):
+            if value is not None and not (0 < value < 1e6):
+                raise ValueError(
+                    f"{name}_retention_days (--{name}-retention-days, STEPWATCH_{name.upper()}_RETENTION_DAYS) "
+                    f"must be a number of days above 0, got {value!r}; leave it unset to keep everything"
+                )
         if self.bus is not None and not self.bus.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(
                 f"bus: expected a redis:// URL (e.g. redis://127.0.0.1:6379/0), got {self.bus!r}"

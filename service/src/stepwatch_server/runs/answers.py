@@ -49,6 +49,9 @@ class RunAnswer(RunSummary):
     metrics: list[str]
     tensors: dict[str, list[str]]
     restarts: list[Restart]
+    raw_from_step: int | None = Field(
+        description="where the raw per-rank data starts after retention deleted older steps (null: nothing was)"
+    )
 
 
 class AgentInfo(BaseModel):

@@ -1,4 +1,4 @@
-"""Deleting a run completely, in short transactions (README "Disk use and deleting a run").
+"""Deleting a run completely, in short transactions (README "Disk use, retention and deleting a run").
 
 Every table is tied to a run by one column: its id (`run_id`), its series (`series_id`: the values and
 their rollups), its sessions (`session_id`: the idempotency records), or its name (`run`: the alert

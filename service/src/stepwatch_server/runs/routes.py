@@ -126,10 +126,13 @@ def get_series(
         ).mean_curve()
         shaped = [{"rank": "mean", "steps": steps, "values": float_list(values)}]
         return json_response({"metric": metric, "series": shaped})
-    if rank_id is None and (wide := _wide_range(conn, list(ids), from_step, to_step)) is not None:
+    wide = _wide_range(conn, list(ids), from_step, to_step, found.raw_expired_to, rank_id is None)
+    if wide is not None:
         curves = rank_rollups.rank_curves(conn, next(iter(ids)), *wide, max_points)
         wide_shaped: list[dict[str, Any]] = [
-            {"rank": r, "steps": steps, "values": float_list(values)} for r, steps, values in curves
+            {"rank": r, "steps": steps, "values": float_list(values)}
+            for r, steps, values in curves
+            if rank_id is None or r == rank_id
         ]
         return json_response({"metric": metric, "series": wide_shaped})
     series = queries.read_points(conn, list(ids), rank_id, from_step, to_step)
@@ -137,13 +140,23 @@ def get_series(
 
 
 def _wide_range(
-    conn: Connection, ids: list[int], from_step: int | None, to_step: int | None
+    conn: Connection,
+    ids: list[int],
+    from_step: int | None,
+    to_step: int | None,
+    expired_to: int | None,
+    all_ranks: bool,
 ) -> tuple[int, int] | None:
-    """(first, last step stored) of a range holding more than RAW_READ_BUDGET values over all ranks,
-    read from the rank rollups then (a bounded read: about max_points rows per rank, where the raw
-    points were 51M at 100k steps x 512 ranks); None for a range read from the raw points."""
+    """(first, last step stored) of a range read from the rank rollups: one whose raw values retention
+    deleted in part (runs/expiry.py: steps up to `expired_to`), or, over all ranks, one holding more than
+    RAW_READ_BUDGET values (a bounded read: about max_points rows per rank, where the raw points were 51M
+    at 100k steps x 512 ranks); None for a range read from the raw points."""
     found = step_rollups.step_range(conn, ids, from_step, to_step)
-    if found is None or found[2] <= rank_rollups.RAW_READ_BUDGET:
+    if found is None:
+        return None
+    if expired_to is not None and found[0] <= expired_to:
+        return found[0], found[1]
+    if not all_ranks or found[2] <= rank_rollups.RAW_READ_BUDGET:
         return None
     return found[0], found[1]
 
@@ -309,6 +322,13 @@ def get_run(run: str, conn: Conn) -> Response:
     found = queries.find_run(conn, run)
     summary = queries.run_summaries(conn, found.id)[0]
     metrics, tensors = queries.series_names(conn, found.id)
+    expired = found.raw_expired_to
     return json_response(
-        {**summary, "metrics": metrics, "tensors": tensors, "restarts": queries.restarts(conn, found.id)}
+        {
+            **summary,
+            "metrics": metrics,
+            "tensors": tensors,
+            "restarts": queries.restarts(conn, found.id),
+            "raw_from_step": None if expired is None else int(expired) + 1,
+        }
     )

@@ -1,4 +1,4 @@
-"""How much the database takes on disk, and each run's share of it (README "Disk use and deleting a run")."""
+"""How much the database takes on disk, and each run's share of it (README "Disk use, retention and deleting a run")."""
 
 from __future__ import annotations
 

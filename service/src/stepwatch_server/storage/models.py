@@ -82,6 +82,8 @@ class Run(Base):
     world_size: Mapped[int]
     created_at: Mapped[dt.datetime]
     last_seen_at: Mapped[dt.datetime]
+    # The last step whose raw per-rank data retention deleted (runs/expiry.py); None: all of it is kept.
+    raw_expired_to: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class Rank(Base):

@@ -1,0 +1,193 @@
+"""Retention: a background worker that deletes what is older than the settings (README "Disk use,
+retention and deleting a run").
+
+- `run_retention_days`: a run whose last write (its row's or any rank's `last_seen_at`, the collector's
+  clock) is older goes whole (runs/deletion.py).
+- `raw_retention_days`: per run, the last step that one of its ranks (the lowest) finished before the
+  cutoff, by the ranks' own timestamps, and that the rollups hold (`rollup_marks.rolled_to`), is the
+  run's new `raw_expired_to`; each rank's values, step times and fingerprints up to it are deleted in
+  windows of steps of at most DELETE_CHUNK_ROWS values, each window with its rank's `stored_values`
+  lowered by what it removed, in one short transaction. The raw horizon is written last, so an
+  interrupted pass is finished by the next.
+
+Reads of the steps up to `raw_expired_to` come from the rollups (runs/routes.py). A pass runs every
+`EXPIRY_INTERVAL_S`; its cost is one scan of the lowest rank's step times above the last horizon per run.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import Engine, Table, delete, func, select, update
+
+from stepwatch_server.background import BackgroundWorker
+from stepwatch_server.runs.deletion import DELETE_CHUNK_ROWS, RunRow, delete_run
+from stepwatch_server.storage.engine import write_transaction
+from stepwatch_server.storage.models import Fingerprint, Point, Rank, RollupMark, Run, Series, StepRecord
+
+log = logging.getLogger(__name__)
+
+EXPIRY_INTERVAL_S = 300.0
+DAY_S = 86_400.0
+_POINTS: Table = Point.__table__  # type: ignore[assignment]
+
+
+class ExpiryWorker(BackgroundWorker):
+    label = "expiry"
+    error_pause_s = 1.0
+
+    def __init__(
+        self,
+        engine: Engine,
+        raw_retention_days: float | None,
+        run_retention_days: float | None,
+        on_deleted: Callable[[RunRow], None] | None = None,
+        interval_s: float = EXPIRY_INTERVAL_S,
+    ) -> None:
+        super().__init__()
+        self.db = engine
+        self.raw_days = raw_retention_days
+        self.run_days = run_retention_days
+        self.on_deleted = on_deleted  # a run deleted: the caches of this process forget it (app.py)
+        self.interval_s = interval_s
+        self.runs_deleted = 0
+        self.raw_values_deleted = 0
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._guard("expiry", self.expire_once, time.time())
+            self._stop.wait(self.interval_s)
+
+    def expire_once(self, now: float) -> dict[str, Any]:
+        """One pass at Unix time `now`: {"runs": names deleted, "raw_values": values and fingerprints deleted}."""
+        gone: list[str] = []
+        if self.run_days is not None:
+            for run in self._silent_runs(now - self.run_days * DAY_S):
+                if self._stop.is_set():
+                    break
+                delete_run(self.db, run)
+                gone.append(run.name)
+                log.info("expiry: deleted run %r (not heard from for %g days)", run.name, self.run_days)
+                if self.on_deleted is not None:
+                    self.on_deleted(run)
+        raw = 0
+        if self.raw_days is not None:
+            cutoff = now - self.raw_days * DAY_S
+            with self.db.connect() as conn:
+                runs = conn.execute(
+                    select(Run.id, Run.raw_expired_to, RollupMark.rolled_to).join(
+                        RollupMark, RollupMark.run_id == Run.id
+                    )
+                ).all()
+            for run_id, expired_to, rolled_to in runs:
+                if self._stop.is_set():
+                    break
+                raw += self._expire_raw(int(run_id), expired_to, int(rolled_to), cutoff)
+        with self._lock:
+            self.runs_deleted += len(gone)
+            self.raw_values_deleted += raw
+        return {"runs": gone, "raw_values": raw}
+
+    def _silent_runs(self, before: float) -> list[RunRow]:
+        cutoff = dt.datetime.fromtimestamp(before, dt.UTC)
+        seen = select(Rank.run_id, func.max(Rank.last_seen_at).label("seen")).group_by(Rank.run_id).subquery()
+        with self.db.connect() as conn:
+            rows = conn.execute(
+                select(Run.id, Run.name, Run.last_seen_at, seen.c.seen).outerjoin(
+                    seen, seen.c.run_id == Run.id
+                )
+            ).all()
+        out = []
+        for run_id, name, run_seen, ranks_seen in rows:
+            last = max((t for t in (run_seen, ranks_seen) if t is not None), default=None)
+            if last is not None and (last if last.tzinfo else last.replace(tzinfo=dt.UTC)) < cutoff:
+                out.append(RunRow(int(run_id), str(name), last))
+        return out
+
+    def _expire_raw(self, run_id: int, expired_to: int | None, rolled_to: int, cutoff: float) -> int:
+        """Delete run `run_id`'s raw per-rank data up to its new horizon (module docstring); the values and
+        fingerprints deleted."""
+        low = -1 if expired_to is None else int(expired_to)
+        with self.db.connect() as conn:
+            ranks = [
+                int(r)
+                for r in conn.execute(
+                    select(Rank.rank).where(Rank.run_id == run_id).order_by(Rank.rank)
+                ).scalars()
+            ]
+            if not ranks:
+                return 0
+            cut = conn.execute(
+                select(func.max(StepRecord.step)).where(
+                    StepRecord.run_id == run_id,
+                    StepRecord.rank == ranks[0],
+                    StepRecord.step > low,
+                    StepRecord.step <= rolled_to,
+                    StepRecord.ts < cutoff,
+                )
+            ).scalar()
+            if cut is None:
+                return 0
+            series = int(conn.execute(select(func.count()).where(Series.run_id == run_id)).scalar_one())
+        window = max(1, DELETE_CHUNK_ROWS // max(1, series))  # steps per transaction
+        ids = select(Series.id).where(Series.run_id == run_id).scalar_subquery()
+        removed = 0
+        for rank in ranks:
+            with self.db.connect() as conn:
+                first = conn.execute(
+                    select(func.min(StepRecord.step)).where(
+                        StepRecord.run_id == run_id, StepRecord.rank == rank, StepRecord.step > low
+                    )
+                ).scalar()
+            start = low if first is None else max(low, int(first) - 1)
+            while start < cut and not self._stop.is_set():
+                end = min(int(cut), start + window)
+                with write_transaction(self.db) as conn:
+                    n = conn.execute(
+                        delete(_POINTS).where(
+                            _POINTS.c.series_id.in_(ids),
+                            _POINTS.c.rank == rank,
+                            _POINTS.c.step > start,
+                            _POINTS.c.step <= end,
+                        )
+                    ).rowcount
+                    n += conn.execute(
+                        delete(Fingerprint).where(
+                            Fingerprint.run_id == run_id,
+                            Fingerprint.rank == rank,
+                            Fingerprint.step > start,
+                            Fingerprint.step <= end,
+                        )
+                    ).rowcount
+                    conn.execute(
+                        delete(StepRecord).where(
+                            StepRecord.run_id == run_id,
+                            StepRecord.rank == rank,
+                            StepRecord.step > start,
+                            StepRecord.step <= end,
+                        )
+                    )
+                    if n:
+                        conn.execute(
+                            update(Rank)
+                            .where(Rank.run_id == run_id, Rank.rank == rank)
+                            .values(stored_values=Rank.stored_values - n)
+                        )
+                removed += n
+                start = end
+        if not self._stop.is_set():
+            with write_transaction(self.db) as conn:
+                conn.execute(update(Run).where(Run.id == run_id).values(raw_expired_to=int(cut)))
+        return removed
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "runs_deleted": self.runs_deleted,
+                "raw_values_deleted": self.raw_values_deleted,
+                "errors": self.errors,
+            }
