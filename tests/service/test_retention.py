@@ -111,6 +111,8 @@ def test_raw_data_older_than_the_setting_leaves_once_rolled_up_and_the_curves_ke
     assert min(one["values"]) == min(per_rank_before["values"]) and max(one["values"]) == max(
         per_rank_before["values"]
     )
+    heat = collector.get("/api/v1/runs/long/heatmap", metric="loss", buckets=30)
+    assert heat["steps"][0] == 0 and heat["ranks"] == [0, 1]  # its columns from the rank rollups too
     assert worker.expire_once(time.time())["raw_values"] == 0  # nothing more is old enough
 
 

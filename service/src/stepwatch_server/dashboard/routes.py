@@ -77,9 +77,9 @@ def get_heatmap(
         raise NotFound(
             f"metric {metric!r} not found in run {run!r}; GET /api/v1/runs/{run} lists them", field="metric"
         )
-    found_steps = step_rollups.step_range(conn, list(ids), from_step, to_step)
-    if found_steps is not None and found_steps[2] > rank_rollups.RAW_READ_BUDGET:  # one rollup row per cell
-        cells = heatmap_from_rollups(conn, next(iter(ids)), found_steps[0], found_steps[1], buckets, mode)
+    wide = rank_rollups.rollup_range(conn, list(ids), from_step, to_step, found.raw_expired_to)
+    if wide is not None:  # one rollup row per cell
+        cells = heatmap_from_rollups(conn, next(iter(ids)), wide[0], wide[1], buckets, mode)
         return json_response({"metric": metric, "mode": mode, **cells})
     series = queries.read_points(conn, list(ids), None, from_step, to_step)
     return json_response({"metric": metric, "mode": mode, **heatmap(series, buckets, mode)})
@@ -102,8 +102,8 @@ def _late(
     found_steps = step_rollups.step_range(conn, ids, from_step, to_step)
     if found_steps is None:
         return late_heatmap([])
-    first, last, values = found_steps
-    if values > rank_rollups.RAW_READ_BUDGET:
+    first, last, _ = found_steps
+    if rank_rollups.rollup_range(conn, ids, from_step, to_step, found.raw_expired_to) is not None:
         return late_heatmap([rollup_cells(conn, sid, first, last, buckets) for sid in ids])
     points = queries.read_points(conn, ids, None, first, last)
     return late_heatmap_from_points(

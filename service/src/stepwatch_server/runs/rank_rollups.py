@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Connection, select
 
+from stepwatch_server.runs import step_rollups
 from stepwatch_server.runs.queries import fetch_chunked
 from stepwatch_server.runs.rollups import (
     BUCKET_STEPS,
@@ -246,3 +247,25 @@ def rank_curves(
             strict=True,
         )
     ]
+
+
+def rollup_range(
+    conn: Connection,
+    ids: list[int],
+    from_step: int | None,
+    to_step: int | None,
+    expired_to: int | None,
+    all_ranks: bool = True,
+) -> tuple[int, int] | None:
+    """(first, last step stored) of a range that the per-rank views (series, heatmaps) read from the rank
+    rollups: one whose raw values retention deleted in part (runs/expiry.py: steps up to `expired_to`),
+    or, over all ranks, one holding more than RAW_READ_BUDGET values (a bounded read: about max_points
+    rows per rank, where the raw points were 51M at 100k steps x 512 ranks). None: read the raw points."""
+    found = step_rollups.step_range(conn, ids, from_step, to_step)
+    if found is None:
+        return None
+    if expired_to is not None and found[0] <= expired_to:
+        return found[0], found[1]
+    if not all_ranks or found[2] <= RAW_READ_BUDGET:
+        return None
+    return found[0], found[1]

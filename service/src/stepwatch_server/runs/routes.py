@@ -126,7 +126,9 @@ def get_series(
         ).mean_curve()
         shaped = [{"rank": "mean", "steps": steps, "values": float_list(values)}]
         return json_response({"metric": metric, "series": shaped})
-    wide = _wide_range(conn, list(ids), from_step, to_step, found.raw_expired_to, rank_id is None)
+    wide = rank_rollups.rollup_range(
+        conn, list(ids), from_step, to_step, found.raw_expired_to, rank_id is None
+    )
     if wide is not None:
         curves = rank_rollups.rank_curves(conn, next(iter(ids)), *wide, max_points)
         wide_shaped: list[dict[str, Any]] = [
@@ -137,28 +139,6 @@ def get_series(
         return json_response({"metric": metric, "series": wide_shaped})
     series = queries.read_points(conn, list(ids), rank_id, from_step, to_step)
     return json_response({"metric": metric, "series": _shape(series, max_points)})
-
-
-def _wide_range(
-    conn: Connection,
-    ids: list[int],
-    from_step: int | None,
-    to_step: int | None,
-    expired_to: int | None,
-    all_ranks: bool,
-) -> tuple[int, int] | None:
-    """(first, last step stored) of a range read from the rank rollups: one whose raw values retention
-    deleted in part (runs/expiry.py: steps up to `expired_to`), or, over all ranks, one holding more than
-    RAW_READ_BUDGET values (a bounded read: about max_points rows per rank, where the raw points were 51M
-    at 100k steps x 512 ranks); None for a range read from the raw points."""
-    found = step_rollups.step_range(conn, ids, from_step, to_step)
-    if found is None:
-        return None
-    if expired_to is not None and found[0] <= expired_to:
-        return found[0], found[1]
-    if not all_ranks or found[2] <= rank_rollups.RAW_READ_BUDGET:
-        return None
-    return found[0], found[1]
 
 
 def _global_norm(
