@@ -7,7 +7,8 @@ every rank's loss, grad norm, lr, step/forward/data time and allocated memory on
 amax of `--modules` modules every 10th step, and every step's timestamp, as the agent would send
 them (a straggler and a loss spike included, so the pictures have something to show). The page is
 timed only once the worker has rolled everything up (`rollup_wait_s`: how long that took after
-the last chunk was written). A real
+the last chunk was written) and the database's size over its values printed (bytes a value, indexes and
+rollups included: issue 17). A real
 `stepwatch-server serve` in a child process (it applies the migrations first) then answers the run
 page's calls over loopback HTTP, in the page's two waves: first the run and the overview, then the
 four curves (mean over ranks), the anomalies, the two heatmaps and the amax, all at once, as the
@@ -262,7 +263,29 @@ def bench(backend: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         else:
             print(f"{backend}: writing {args.steps:,} steps x {args.ranks} ranks", flush=True)
             written = write_run(url, args.steps, args.ranks, args.modules)
+        written.update(disk_use(url))
         return measure(backend, args, server, written)
+
+
+def disk_use(url: str) -> dict[str, Any]:
+    """The database's size on disk over the values it holds (issue 17: indexes and rollups included)."""
+    from sqlalchemy import func, select
+
+    from stepwatch_server.storage import make_engine
+    from stepwatch_server.storage.disk import database_bytes
+    from stepwatch_server.storage.models import Point
+
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            size = database_bytes(conn)
+            values = int(conn.execute(select(func.count()).select_from(Point)).scalar_one())
+    finally:
+        engine.dispose()
+    print(
+        f"  the database takes {size:,} bytes for {values:,} values: {size / max(1, values):.1f} bytes a value"
+    )
+    return {"database_bytes": size, "values_stored": values, "bytes_per_value": size / max(1, values)}
 
 
 def measure(backend: str, args: argparse.Namespace, server: Any, written: dict[str, Any]) -> dict[str, Any]:

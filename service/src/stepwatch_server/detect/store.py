@@ -119,8 +119,9 @@ def save_anomalies(
     """Insert or update `anomalies` in one transaction; returns the rows written.
 
     Anomalies of runs not in the database (deleted since their batches were stored) are skipped, and
-    their names given to `on_missing` (the detection loop then drops those runs' state). When the same anomaly appears twice, the last one wins. `on_stored` runs
-    in the transaction with what was written (module docstring).
+    their names given to `on_missing` (the detection loop then drops those runs' state). When the same
+    anomaly appears twice, the last one wins. `on_stored` runs in the transaction with what was written
+    (module docstring).
     """
     latest: dict[tuple[str, str, str, int], Anomaly] = {}
     for a in anomalies:

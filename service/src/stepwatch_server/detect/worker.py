@@ -50,6 +50,9 @@ MAX_UNSAVED_ANOMALIES = 10_000  # changes kept for the next round while the data
 SAVE_RETRY_S = 1.0  # after a failed write, the next attempt waits this long
 
 
+_Queued = tuple[Batch, float, int | None, bool]  # a stored batch, its ack time, its run's id, created it
+
+
 class UnsavedChanges:
     """The anomaly changes a detection loop has not written yet, by anomaly (the last change wins); while
     the database fails they are kept for the next round, the most recent `limit` of them (the older ones
@@ -97,9 +100,7 @@ class DetectionWorker(BackgroundWorker):
         self.db = engine
         self._on_stored = on_stored  # called in each write's transaction (detect/store.py)
         self.engine = DetectionEngine(settings)
-        self._queue: queue.Queue[tuple[Batch, float, int | None, bool]] = (
-            queue.Queue()
-        )  # bounded by the slots
+        self._queue: queue.Queue[_Queued] = queue.Queue()  # bounded by the slots
         self._slots = threading.Semaphore(MAX_QUEUED_BATCHES)
         self._lag_s: collections.deque[float] = collections.deque(maxlen=LAG_WINDOW)
         self._unsaved = UnsavedChanges()
@@ -201,7 +202,7 @@ class DetectionWorker(BackgroundWorker):
         if not self._queue.empty():
             log.warning("detection: %d queued batches left unprocessed at stop", self._queue.qsize())
 
-    def _take(self, timeout_s: float) -> list[tuple[Batch, float, int | None, bool]]:
+    def _take(self, timeout_s: float) -> list[_Queued]:
         try:
             items = [self._queue.get(timeout=timeout_s) if timeout_s > 0 else self._queue.get_nowait()]
         except queue.Empty:

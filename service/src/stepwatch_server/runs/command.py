@@ -4,7 +4,6 @@ deleting one (runs/deletion.py), straight on the database (no collector needs to
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import time
@@ -13,8 +12,6 @@ from typing import Any
 from stepwatch_server.runs import deletion, queries
 from stepwatch_server.settings import DEFAULT_DATABASE_URL
 from stepwatch_server.storage import make_engine, upgrade
-
-log = logging.getLogger(__name__)
 
 
 def add_runs_command(sub: Any) -> None:
@@ -38,11 +35,13 @@ def add_runs_command(sub: Any) -> None:
 
 
 def _size(n: int) -> str:
+    """Bytes in decimal units, as the runs page shows them (web/src/format.js fmtBytes)."""
+    size = float(n)
     for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000  # type: ignore[assignment]
-    return f"{n:.1f} TB"
+        if size < 1000:
+            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} TB"
 
 
 def run_runs_command(args: argparse.Namespace) -> int:
