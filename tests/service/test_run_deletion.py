@@ -317,3 +317,18 @@ def test_a_delete_interrupted_midway_leaves_the_run_listed_and_is_finished_by_ru
     assert _rows_of_run(db, "halfway", found.id) == dict.fromkeys(before, 0)
     assert deleted["points"] == halfway["points"] and deleted["runs"] == 1
     assert _run_id(db, "other") is not None
+
+
+def test_a_run_whose_every_rank_closed_its_session_is_deleted_without_force(
+    start_collector: Callable[..., Collector], db: Engine
+) -> None:
+    """Finished is not live, however recent its last batch: the dashboard shows no "live" pill for it."""
+    collector = start_collector()
+    for rank in range(2):
+        doc = steps_batch("finished", f"finished-rank-{rank}", 0, [0, 1, 2], rank, 2, loss=[1.0, 0.9, 0.8])
+        doc["events"] = [{"step": 2, "ts": doc["timestamps"][-1], "kind": "session_end", "data": {}}]
+        assert collector.post(doc).status_code == 200
+    _wait(lambda: collector.get("/api/v1/dashboard/runs")["runs"][0]["finished"], "the run to be finished")
+    answer = collector.http.delete("/api/v1/runs/finished")
+    assert answer.status_code == 200, answer.text
+    assert _run_id(db, "finished") is None

@@ -196,7 +196,11 @@ def _alerts_test(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet = args.command == "runs"  # a listing or a delete's progress, not the migrations' log lines
+    logging.basicConfig(
+        level=logging.WARNING if quiet else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     if args.command == "grafana":
         return run_grafana_command(args)
     if args.command == "runs":

@@ -84,13 +84,13 @@ def _delete(engine: Any, args: argparse.Namespace) -> int:
     with engine.connect() as conn:
         found = deletion.find(conn, args.run)
         summary = queries.run_summaries(conn, found.id)[0] if found is not None else None
+        ago = None if found is None else deletion.live_for(conn, found)
     if found is None or summary is None:
         print(
             f"stepwatch-server runs delete: run {args.run!r} not found (`runs list` lists them)",
             file=sys.stderr,
         )
         return 1
-    ago = deletion.live_for(found)
     if ago is not None and not args.force:
         print(
             f"stepwatch-server runs delete: run {found.name!r} is live (its last batch {ago:.0f} s ago): stop "

@@ -9,7 +9,8 @@ Until then the run is still listed, and a delete that was interrupted is finishe
 every step deletes what is there, whatever was done before.
 
 Deleting a run does not stop its ranks: a batch that arrives afterwards creates the run again. So a run
-heard from within `LIVE_WINDOW_S` (the dashboard's "live") is refused unless forced.
+the dashboard shows as live (heard from within 30 s and not finished: dashboard/summary.py) is refused
+unless forced.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 from sqlalchemy import ColumnElement, Connection, Engine, Table, delete, func, select, tuple_
 
-from stepwatch_server.dashboard.summary import LIVE_WINDOW_S
+from stepwatch_server.dashboard.summary import runs_overview
 from stepwatch_server.storage.engine import write_transaction
 from stepwatch_server.storage.models import ALL_TABLES, AgentSession, Rank, Run, Series
 
@@ -45,12 +46,13 @@ def find(conn: Connection, name: str) -> RunRow | None:
     return RunRow(int(row.id), str(row.name), seen)
 
 
-def live_for(run: RunRow, now: dt.datetime | None = None) -> float | None:
-    """Seconds since the run's last write when that is within LIVE_WINDOW_S (it is live), else None."""
-    if run.last_seen_at is None:
+def live_for(conn: Connection, run: RunRow) -> float | None:
+    """Seconds since the run's last write when the dashboard shows it as live (dashboard/summary.py: heard
+    from within its window and not finished, every rank's agent having closed its session), else None."""
+    overview = runs_overview(conn, run.name)
+    if not overview or not overview[0]["live"] or run.last_seen_at is None:
         return None
-    ago = ((now or dt.datetime.now(dt.UTC)) - run.last_seen_at).total_seconds()
-    return ago if ago < LIVE_WINDOW_S else None
+    return max(0.0, (dt.datetime.now(dt.UTC) - run.last_seen_at).total_seconds())
 
 
 def _tie(table: Table, run: RunRow) -> ColumnElement[bool]:

@@ -273,9 +273,9 @@ def delete_run(
     engine = request.app.state.engine
     with engine.connect() as conn:
         found = deletion.find(conn, run)
+        ago = None if found is None else deletion.live_for(conn, found)
     if found is None:
         raise NotFound(f"run {run!r} not found; GET /api/v1/runs lists the runs", field="run")
-    ago = deletion.live_for(found)
     if ago is not None and not force:
         raise ApiError(
             f"run {run!r} is live (its last batch {ago:.0f} s ago): stop its training first, or add "
