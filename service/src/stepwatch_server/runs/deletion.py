@@ -20,11 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ColumnElement, Connection, Engine, Table, delete, func, select, tuple_
+from sqlalchemy import ColumnElement, Connection, Engine, Table, delete, select, tuple_
 
 from stepwatch_server.dashboard.summary import runs_overview
 from stepwatch_server.storage.engine import write_transaction
-from stepwatch_server.storage.models import ALL_TABLES, AgentSession, Rank, Run, Series
+from stepwatch_server.storage.models import ALL_TABLES, AgentSession, Run, Series
 
 DELETE_CHUNK_ROWS = 20_000  # rows per transaction: ~50 ms of SQLite's write lock
 Progress = Callable[[str, int, bool], None]  # after each chunk: (table, rows deleted so far, table done)
@@ -34,25 +34,20 @@ Progress = Callable[[str, int, bool], None]  # after each chunk: (table, rows de
 class RunRow:
     id: int
     name: str
-    last_seen_at: dt.datetime | None  # the latest of the run's and its ranks' last writes
 
 
 def find(conn: Connection, name: str) -> RunRow | None:
-    row = conn.execute(select(Run.id, Run.name, Run.last_seen_at).where(Run.name == name)).first()
-    if row is None:
-        return None
-    ranks_seen = conn.execute(select(func.max(Rank.last_seen_at)).where(Rank.run_id == row.id)).scalar()
-    seen = max((t for t in (row.last_seen_at, ranks_seen) if t is not None), default=None)
-    return RunRow(int(row.id), str(row.name), seen)
+    row = conn.execute(select(Run.id, Run.name).where(Run.name == name)).first()
+    return None if row is None else RunRow(int(row.id), str(row.name))
 
 
 def live_for(conn: Connection, run: RunRow) -> float | None:
     """Seconds since the run's last write when the dashboard shows it as live (dashboard/summary.py: heard
     from within its window and not finished, every rank's agent having closed its session), else None."""
     overview = runs_overview(conn, run.name)
-    if not overview or not overview[0]["live"] or run.last_seen_at is None:
+    if not overview or not overview[0]["live"] or overview[0]["last_seen_at"] is None:
         return None
-    return max(0.0, (dt.datetime.now(dt.UTC) - run.last_seen_at).total_seconds())
+    return max(0.0, (dt.datetime.now(dt.UTC) - overview[0]["last_seen_at"]).total_seconds())
 
 
 def _tie(table: Table, run: RunRow) -> ColumnElement[bool]:
@@ -73,12 +68,12 @@ def _tie(table: Table, run: RunRow) -> ColumnElement[bool]:
     raise AssertionError(f"table {table.name} is tied to a run by no column deletion.py knows")
 
 
-# The tables emptied chunk by chunk before the run's row goes: every table but those the run's row
-# cascades to cheaply (a row per rank, session, series, or one per run), children before parents.
-_CASCADED = {"runs", "ranks", "sessions", "series", "rollup_marks"}
-CHUNKED = tuple(t for t in reversed(ALL_TABLES) if t.name not in _CASCADED)
+# The tables emptied chunk by chunk before the run's row goes: every table but those holding a row per
+# rank, session, series or run (deleted with the run's row, in the last transaction), children first.
+_SMALL = {"runs", "ranks", "sessions", "series", "rollup_marks"}
+CHUNKED = tuple(t for t in reversed(ALL_TABLES) if t.name not in _SMALL)
 for _table in ALL_TABLES:  # every table is tied to a run by some column (checked at import)
-    _tie(_table, RunRow(0, "", None))
+    _tie(_table, RunRow(0, ""))
 
 
 def _chunk(table: Table, run: RunRow, rows: int) -> Any:

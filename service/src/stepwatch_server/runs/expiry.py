@@ -25,6 +25,7 @@ from typing import Any
 from sqlalchemy import Engine, Table, delete, func, select, update
 
 from stepwatch_server.background import BackgroundWorker
+from stepwatch_server.runs import queries
 from stepwatch_server.runs.deletion import DELETE_CHUNK_ROWS, RunRow, delete_run
 from stepwatch_server.storage.engine import write_transaction
 from stepwatch_server.storage.models import Fingerprint, Point, Rank, RollupMark, Run, Series, StepRecord
@@ -93,20 +94,17 @@ class ExpiryWorker(BackgroundWorker):
         return {"runs": gone, "raw_values": raw}
 
     def _silent_runs(self, before: float) -> list[RunRow]:
+        """The runs last seen (the later of the run's and its ranks' writes: `queries.run_summaries`)
+        before Unix time `before`."""
         cutoff = dt.datetime.fromtimestamp(before, dt.UTC)
-        seen = select(Rank.run_id, func.max(Rank.last_seen_at).label("seen")).group_by(Rank.run_id).subquery()
         with self.db.connect() as conn:
-            rows = conn.execute(
-                select(Run.id, Run.name, Run.last_seen_at, seen.c.seen).outerjoin(
-                    seen, seen.c.run_id == Run.id
-                )
-            ).all()
-        out = []
-        for run_id, name, run_seen, ranks_seen in rows:
-            last = max((t for t in (run_seen, ranks_seen) if t is not None), default=None)
-            if last is not None and (last if last.tzinfo else last.replace(tzinfo=dt.UTC)) < cutoff:
-                out.append(RunRow(int(run_id), str(name), last))
-        return out
+            ids = {str(name): int(run_id) for name, run_id in conn.execute(select(Run.name, Run.id))}
+            summaries = queries.run_summaries(conn)
+        return [
+            RunRow(ids[r["name"]], r["name"])
+            for r in summaries
+            if r["last_seen_at"] is not None and r["last_seen_at"] < cutoff and r["name"] in ids
+        ]
 
     def _expire_raw(self, run_id: int, expired_to: int | None, rolled_to: int, cutoff: float) -> int:
         """Delete run `run_id`'s raw per-rank data up to its new horizon (module docstring); the values and
