@@ -16,7 +16,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,15 +117,20 @@ def imported_from(source: Path | None = None) -> str:
 
 @contextlib.contextmanager
 def collector(
-    database_url: str, *, log_path: Path | None = None, source: Path | None = None
+    database_url: str,
+    *,
+    log_path: Path | None = None,
+    source: Path | None = None,
+    options: Sequence[str] = (),
 ) -> Iterator[Receiver]:
     """`stepwatch-server serve` on a free loopback port, in a child process; with `source` (a checkout's
-    root, e.g. an older commit's `git archive`), that tree's collector instead of the importable one."""
+    root, e.g. an older commit's `git archive`), that tree's collector instead of the importable one;
+    `options`: more of `serve`'s options."""
     port = free_port()
     env = child_env(source)
     log = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115 (closed below)
     cmd = [sys.executable, "-m", "stepwatch_server.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--database-url", database_url]
+    cmd += ["--database-url", database_url, *options]
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         url = f"http://127.0.0.1:{port}"

@@ -17,6 +17,10 @@ median time of each call is listed beside it.
 
     .venv/bin/python bench/dashboard_load.py                              # 100k x 512 on SQLite (long)
     .venv/bin/python bench/dashboard_load.py --steps 10000 --ranks 64 --backends sqlite,postgresql
+    .venv/bin/python bench/dashboard_load.py --steps 20000 --ranks 256 --backends sqlite,postgresql --compact
+
+`--compact` then moves the run into compressed blocks (runs/compaction.py, timed), gives the deleted
+rows' space back (VACUUM) and measures the disk use and the page again: the two layouts side by side.
 """
 
 from __future__ import annotations
@@ -247,7 +251,8 @@ def bench(backend: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         url = stack.enter_context(place)
         migrated_s = migrate(url) if kept else None  # a kept file written by an older schema: timed here
-        server = stack.enter_context(_servers.collector(url))  # it applies the migrations (none left)
+        # It applies the migrations (none left); compaction is this benchmark's to run (`--compact`).
+        server = stack.enter_context(_servers.collector(url, options=["--compact-after-steps", "0"]))
         before = written_before(url) if kept else None
         if before is not None:
             if (before["steps"], before["ranks"]) != (args.steps, args.ranks):
@@ -264,28 +269,91 @@ def bench(backend: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             print(f"{backend}: writing {args.steps:,} steps x {args.ranks} ranks", flush=True)
             written = write_run(url, args.steps, args.ranks, args.modules)
         written.update(disk_use(url))
-        return measure(backend, args, server, written)
+        result = measure(backend, args, server, written)
+        if args.compact:
+            compacted = compact(url)
+            compacted.update(disk_use(url, vacuum=True))
+            result["compacted"] = measure(backend, args, server, {**written, **compacted, "reused": True})
+        return result
 
 
-def disk_use(url: str) -> dict[str, Any]:
-    """The database's size on disk over the values it holds (issue 17: indexes and rollups included)."""
-    from sqlalchemy import func, select
-
+def compact(url: str) -> dict[str, Any]:
+    """Every step of the run moved into blocks (runs/compaction.py, with the smallest setting: all but the
+    newest MIN_COMPACT_AFTER_STEPS steps), timed."""
+    from stepwatch_server.runs.compaction import CompactionWorker
+    from stepwatch_server.settings import MIN_COMPACT_AFTER_STEPS
     from stepwatch_server.storage import make_engine
-    from stepwatch_server.storage.disk import database_bytes
-    from stepwatch_server.storage.models import Point
 
     engine = make_engine(url)
     try:
-        with engine.connect() as conn:
-            size = database_bytes(conn)
-            values = int(conn.execute(select(func.count()).select_from(Point)).scalar_one())
+        worker = CompactionWorker(engine, after_steps=MIN_COMPACT_AFTER_STEPS)
+        started = time.perf_counter()
+        moved = worker.compact_once()
+        seconds = time.perf_counter() - started
     finally:
         engine.dispose()
     print(
-        f"  the database takes {size:,} bytes for {values:,} values: {size / max(1, values):.1f} bytes a value"
+        f"  compacted {moved:,} values into {worker.stats()['blocks_written']:,} blocks in {seconds:.1f} s "
+        f"({moved / max(seconds, 1e-9):,.0f} values/s)",
+        flush=True,
     )
-    return {"database_bytes": size, "values_stored": values, "bytes_per_value": size / max(1, values)}
+    return {
+        "compact_s": seconds,
+        "compacted_values": moved,
+        "compact_values_per_s": moved / max(seconds, 1e-9),
+    }
+
+
+_TABLES = (
+    "points, blocks, rank_rollups, step_rollups, steps, series, runs, ranks"  # this run's, in its schema
+)
+
+
+_PG_TABLES_SQL = (  # PostgreSQL: the schema's tables with their indexes and TOAST, without the empty catalog
+    "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c "
+    "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = current_schema() AND c.relkind = 'r'"
+)
+
+
+def disk_use(url: str, vacuum: bool = False) -> dict[str, Any]:
+    """The database's size on disk over the values it holds, as rows and in blocks (issue 17: indexes and
+    rollups included); with `vacuum`, after giving deleted rows' space back (SQLite VACUUM, PostgreSQL
+    VACUUM FULL: a live database reuses that space for its next writes instead)."""
+    from sqlalchemy import func, select, text
+
+    from stepwatch_server.storage import make_engine
+    from stepwatch_server.storage.disk import database_bytes
+    from stepwatch_server.storage.models import Point, ValueBlock
+
+    engine = make_engine(url)
+    try:
+        if vacuum:
+            with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                conn.execute(text("VACUUM" if engine.dialect.name == "sqlite" else f"VACUUM FULL {_TABLES}"))
+        with engine.connect() as conn:
+            size = database_bytes(conn)
+            tables = (
+                int(conn.execute(text(_PG_TABLES_SQL)).scalar_one())
+                if engine.dialect.name == "postgresql"
+                else size
+            )
+            rows = int(conn.execute(select(func.count()).select_from(Point)).scalar_one())
+            held = int(conn.execute(select(func.coalesce(func.sum(ValueBlock.n_values), 0))).scalar_one())
+    finally:
+        engine.dispose()
+    values = rows + held
+    print(
+        f"  the database takes {size:,} bytes for {values:,} values ({rows:,} rows, {held:,} in blocks): "
+        f"{size / max(1, values):.2f} bytes a value; its tables and indexes {tables / max(1, values):.2f}",
+        flush=True,
+    )
+    return {
+        "table_bytes_per_value": tables / max(1, values),
+        "database_bytes": size,
+        "values_stored": values,
+        "values_in_blocks": held,
+        "bytes_per_value": size / max(1, values),
+    }
 
 
 def measure(backend: str, args: argparse.Namespace, server: Any, written: dict[str, Any]) -> dict[str, Any]:
@@ -329,6 +397,11 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--backends", default="sqlite", help="comma-separated: sqlite,postgresql")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument(
+        "--compact",
+        action="store_true",
+        help="then compact the run (runs/compaction.py) and measure the disk use and the page again, side by side",
+    )
     parser.add_argument(
         "--sqlite-file",
         type=Path,

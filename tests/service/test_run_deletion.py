@@ -123,7 +123,9 @@ def test_deleting_a_run_removes_every_row_of_it_and_nothing_of_the_others(
     monkeypatch.setenv("SW_TEST_SLACK_URL", receiver.url("/slack"))
     monkeypatch.setenv("SW_TEST_HOOK_SECRET", "test-secret-0123456789")
     (tmp_path / "alerts.yaml").write_text(config_text(receiver))
-    collector = start_collector(alerts=load_config(tmp_path / "alerts.yaml"))
+    collector = start_collector(
+        alerts=load_config(tmp_path / "alerts.yaml"), compact_after_steps=128
+    )  # blocks too
     _feed(collector, "doomed")
     _feed(collector, "kept")
     doomed_id = _run_id(db, "doomed")

@@ -3,7 +3,7 @@
 The lifespan owns the database engine and the workers: it creates the engine, applies the
 migrations, builds the batch writer, starts the rollup worker (runs/rollup_worker.py) and the
 detection worker (detect/worker.py) unless `settings.detection` is off, the retention worker
-(runs/expiry.py) when a retention is set, and at shutdown stops the
+(runs/expiry.py) when a retention is set, the compaction worker (runs/compaction.py) unless it is off, and at shutdown stops the
 workers (draining them within their deadlines) before disposing of the engine.
 
 With `settings.alerts`, it also starts the alert worker (alerts/worker.py) before the detection
@@ -41,6 +41,7 @@ from stepwatch_server.ingest.store import BatchWriter
 from stepwatch_server.metrics import router as metrics_router
 from stepwatch_server.params import no_nul_in_parameters
 from stepwatch_server.responses import json_response
+from stepwatch_server.runs.compaction import CompactionWorker
 from stepwatch_server.runs.expiry import ExpiryWorker
 from stepwatch_server.runs.rollup_worker import RollupWorker
 from stepwatch_server.runs.routes import router as runs_router
@@ -89,6 +90,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     on_deleted=lambda run: writer.forget_run(run.name, run.id),
                 ).start()
                 started.append(app.state.expiry)
+            if settings.compact_after_steps:
+                app.state.compaction = CompactionWorker(engine, settings.compact_after_steps).start()
+                started.append(app.state.compaction)
             if settings.detection and settings.bus is not None:  # detect workers take it from there
                 from stepwatch_server.bus.metrics import PublisherMetrics
                 from stepwatch_server.bus.publisher import BusPublisher
@@ -154,6 +158,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.alerts = None
     app.state.rollups = None
     app.state.expiry = None
+    app.state.compaction = None
     app.state.live = None
     app.state.metric_collectors = []  # more Prometheus collectors for /metrics (the bus's, with --bus)
     app.state.ingest = None

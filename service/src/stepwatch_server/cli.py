@@ -61,6 +61,14 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
             metavar="DAYS",
             help=f"delete {what}; default ${'STEPWATCH_' + name.upper() + '_RETENTION_DAYS'}, else keep forever",
         )
+    parser.add_argument(
+        "--compact-after-steps",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="move each run's values this many steps behind its newest into compressed blocks; 0: never "
+        "(default $STEPWATCH_COMPACT_AFTER_STEPS, else 3600)",
+    )
 
 
 def _add_alerts_option(parser: argparse.ArgumentParser) -> None:
@@ -227,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             extra["public_read"] = True
         if getattr(args, "bus", None):
             extra["bus"] = args.bus
-        for name in ("raw_retention_days", "run_retention_days"):
+        for name in ("raw_retention_days", "run_retention_days", "compact_after_steps"):
             if getattr(args, name, None) is not None:
                 extra[name] = getattr(args, name)
         settings = Settings.from_env(database_url=args.database_url, token=args.token, **extra)

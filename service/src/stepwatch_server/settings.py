@@ -18,6 +18,10 @@ if TYPE_CHECKING:
     from stepwatch_server.alerts.config import AlertsConfig
 
 DEFAULT_DATABASE_URL = "sqlite:///./stepwatch.db"
+DEFAULT_COMPACT_AFTER_STEPS = 3600  # an hour of a run at one step a second stays one row per value
+MIN_COMPACT_AFTER_STEPS = (
+    128  # the live views read up to 64 steps back (runs/queries.RECENT_STEPS): twice that
+)
 MAX_BATCH_BYTES = 16 * 1024 * 1024  # docs/ingest.md: 16 MiB on the wire and after decompression
 
 
@@ -65,6 +69,19 @@ def _env_raw_retention() -> float | None:
 
 def _env_run_retention() -> float | None:
     return _env_days("STEPWATCH_RUN_RETENTION_DAYS")
+
+
+def _env_compact_after_steps() -> int:
+    raw = os.environ.get("STEPWATCH_COMPACT_AFTER_STEPS", "").strip()
+    if not raw:
+        return DEFAULT_COMPACT_AFTER_STEPS
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(
+            f"STEPWATCH_COMPACT_AFTER_STEPS: expected a whole number of steps (e.g. 3600, or 0 to never compact), "
+            f"got {raw!r}"
+        ) from None
 
 
 def _env_bus() -> str | None:
@@ -165,6 +182,9 @@ class Settings:
     `raw_retention_days` (STEPWATCH_RAW_RETENTION_DAYS): per-rank values, step times and fingerprints of
     steps finished longer ago are deleted once rolled up; `run_retention_days` (STEPWATCH_RUN_RETENTION_DAYS):
     a run not heard from for longer is deleted (runs/expiry.py). None: kept forever.
+
+    `compact_after_steps` (STEPWATCH_COMPACT_AFTER_STEPS): a run's values this many steps behind its newest
+    step move into compressed blocks (runs/compaction.py); 0: never.
     """
 
     database_url: str = field(default_factory=_env_database_url)
@@ -179,6 +199,7 @@ class Settings:
     bus: str | None = field(default_factory=_env_bus)
     raw_retention_days: float | None = field(default_factory=_env_raw_retention)
     run_retention_days: float | None = field(default_factory=_env_run_retention)
+    compact_after_steps: int = field(default_factory=_env_compact_after_steps)
 
     @classmethod
     def from_env(
@@ -216,6 +237,12 @@ class Settings:
                     f"{name}_retention_days (--{name}-retention-days, STEPWATCH_{name.upper()}_RETENTION_DAYS) "
                     f"must be a number of days above 0, got {value!r}; leave it unset to keep everything"
                 )
+        if self.compact_after_steps != 0 and not MIN_COMPACT_AFTER_STEPS <= self.compact_after_steps < 2**62:
+            raise ValueError(
+                "compact_after_steps (--compact-after-steps, STEPWATCH_COMPACT_AFTER_STEPS) must be 0 (never "
+                f"compact) or at least {MIN_COMPACT_AFTER_STEPS} steps (the live views read the newest steps as "
+                f"rows), got {self.compact_after_steps!r}"
+            )
         if self.bus is not None and not self.bus.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(
                 f"bus: expected a redis:// URL (e.g. redis://127.0.0.1:6379/0), got {self.bus!r}"

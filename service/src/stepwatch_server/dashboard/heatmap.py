@@ -199,9 +199,16 @@ def _answer(
         "ranks": ranks,
         "steps": starts,
         "bucket_steps": width,
-        "values": [_nulls(r) for r in np.round(matrix, 4)],
-        "median": _nulls(np.round(median, 4)),
+        "values": [_nulls(r) for r in _rounded(matrix)],
+        "median": _nulls(_rounded(median)),
     }
+
+
+def _rounded(values: np.ndarray) -> np.ndarray:
+    """To 4 decimals; a value too large to round that way (over ~1e304) as it is, not infinity."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = np.round(values, 4)
+    return np.where(np.isinf(out) & np.isfinite(values), values, out)
 
 
 def _nulls(values: np.ndarray) -> list[float | None]:

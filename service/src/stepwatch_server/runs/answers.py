@@ -52,6 +52,10 @@ class RunAnswer(RunSummary):
     raw_from_step: int | None = Field(
         description="where the raw per-rank data starts after retention deleted older steps (null: nothing was)"
     )
+    compacted_to: int | None = Field(
+        description="values up to this step may be stored in compressed blocks, the newer ones are rows (null: "
+        "none is compacted yet); every value reads the same either way"
+    )
 
 
 class AgentInfo(BaseModel):

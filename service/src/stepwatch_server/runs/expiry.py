@@ -5,7 +5,8 @@ retention and deleting a run").
   clock) is older goes whole (runs/deletion.py).
 - `raw_retention_days`: per run, the last step that one of its ranks (the lowest) finished before the
   cutoff, by the ranks' own timestamps, and that the rollups hold (`rollup_marks.rolled_to`), is the
-  run's new `raw_expired_to`; each rank's values, step times and fingerprints up to it are deleted in
+  run's new `raw_expired_to`; each rank's values (rows, and the compacted blocks wholly up to it), step
+  times and fingerprints up to it are deleted in
   windows of steps of at most DELETE_CHUNK_ROWS values, each window with its rank's `stored_values`
   lowered by what it removed, in one short transaction. The raw horizon is written last, so an
   interrupted pass is finished by the next.
@@ -22,13 +23,23 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import Engine, Table, delete, func, select, update
+from sqlalchemy import Engine, Table, and_, delete, func, select, update
 
 from stepwatch_server.background import BackgroundWorker
 from stepwatch_server.runs import queries
 from stepwatch_server.runs.deletion import DELETE_CHUNK_ROWS, RunRow, delete_run
+from stepwatch_server.storage.blocks import BLOCK_STEPS
 from stepwatch_server.storage.engine import write_transaction
-from stepwatch_server.storage.models import Fingerprint, Point, Rank, RollupMark, Run, Series, StepRecord
+from stepwatch_server.storage.models import (
+    Fingerprint,
+    Point,
+    Rank,
+    RollupMark,
+    Run,
+    Series,
+    StepRecord,
+    ValueBlock,
+)
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +172,14 @@ class ExpiryWorker(BackgroundWorker):
                             Fingerprint.step <= end,
                         )
                     ).rowcount
+                    whole = ValueBlock.bucket <= (end + 1) // BLOCK_STEPS - 1  # blocks wholly up to `end`
+                    mine = and_(ValueBlock.run_id == run_id, ValueBlock.rank == rank, whole)
+                    n += int(
+                        conn.execute(
+                            select(func.coalesce(func.sum(ValueBlock.n_values), 0)).where(mine)
+                        ).scalar_one()
+                    )
+                    conn.execute(delete(ValueBlock).where(mine))
                     conn.execute(
                         delete(StepRecord).where(
                             StepRecord.run_id == run_id,

@@ -15,6 +15,7 @@ import numpy as np
 from sqlalchemy import Connection, Row, Select, and_, func, select
 
 from stepwatch_server.errors import NotFound
+from stepwatch_server.storage import blocks
 from stepwatch_server.storage.chunks import chunk_size, chunks
 from stepwatch_server.storage.disk import database_bytes, share
 from stepwatch_server.storage.models import (
@@ -143,10 +144,29 @@ def read_points(
     to_step: int | None,
     ranks: list[int] | None = None,
 ) -> list[RankSeries]:
-    """Each (series, rank)'s points in step order, latest incarnation per step. Naming the `ranks`
-    (every rank of the run) lets a step range seek the primary key instead of scanning all steps."""
-    if not ids:
+    """Each (series, rank)'s points in step order, latest incarnation per step (`read_values`)."""
+    sid, rank_numbers, steps, _inc, values = read_values(conn, ids, rank, from_step, to_step, ranks)
+    if sid.size == 0:
         return []
+    return _split_latest(sid, rank_numbers, steps, values)
+
+
+def read_values(
+    conn: Connection,
+    ids: list[int],
+    rank: int | None,
+    from_step: int | None,
+    to_step: int | None,
+    ranks: list[int] | None = None,
+) -> blocks.Columns:
+    """Every stored value of series `ids` (of `rank`, or all ranks) in from_step..to_step, every
+    incarnation, as columns (series, rank, step, incarnation, value) ordered by the first four: the rows
+    of `points` and the values of `blocks` (runs/compaction.py) together. Where both hold the same key
+    (a value re-sent after its step was compacted) the block's, written first, comes last, so it is the
+    one `_split_latest` keeps, as `points` keeps the first write. Naming the `ranks` (every rank of the
+    run) lets a step range seek the primary key instead of scanning all steps."""
+    if not ids:
+        return blocks.empty_columns()
 
     def query(part: Sequence[int]) -> Any:
         q = select(Point.series_id, Point.rank, Point.step, Point.incarnation, Point.value).where(
@@ -162,11 +182,16 @@ def read_points(
             q = q.where(Point.step <= to_step)
         return q.order_by(Point.series_id, Point.rank, Point.step, Point.incarnation)
 
-    cols = fetch_chunked(conn, ids, query, (0, 1, 2, 3), fixed=len(ranks or ()) + 4)  # NULL -> nan
-    sid, rank_numbers, steps, _inc, values = cols
-    if sid.size == 0:
-        return []
-    return _split_latest(sid, rank_numbers, steps, values)
+    rows = fetch_chunked(conn, ids, query, (0, 1, 2, 3), fixed=len(ranks or ()) + 4)  # NULL -> nan
+    held = blocks.read_columns(conn, ids, rank, ranks, from_step, to_step)
+    if held[0].size == 0:
+        return rows
+    cols = blocks.join([rows, held])
+    source = np.concatenate(
+        [np.zeros(rows[0].shape[0], dtype=np.int8), np.ones(held[0].shape[0], dtype=np.int8)]
+    )
+    order = np.lexsort((source, cols[3], cols[2], cols[1], cols[0]))
+    return [c[order] for c in cols]
 
 
 def fetch_chunked(

@@ -36,6 +36,11 @@ The rollups lag ingest by about a round. `rollup_marks` holds per run the highes
 while the worker catches up. A late batch for steps below the watermark (a slow rank) is in the raw
 series at once and in these views after the worker's next round.
 
+Compacted values (runs/compaction.py) live in `blocks`, which SQL cannot read. Compaction only takes
+steps the rollups already hold, so a round reaches them only for a value that arrived late for a
+compacted step: such a round (`apply_part`, which looks at the run's `compacted_to` under the lock
+compaction takes) aggregates the bucket's rows and blocks with numpy (`_insert_from_values`) instead.
+
 Every statement that names a run's series takes them in chunks (storage/chunks.py), so that no
 statement binds more parameters than a driver allows (psycopg: 65,535), however many series a run has.
 
@@ -50,11 +55,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, bindparam, func, select, text
+from sqlalchemy import Connection, bindparam, func, insert, select, text
 
-from stepwatch_server.runs.queries import read_points
+from stepwatch_server.runs.queries import read_points, read_values
+from stepwatch_server.storage import blocks
 from stepwatch_server.storage.chunks import chunk_size, chunks
-from stepwatch_server.storage.models import AgentSession, RollupMark, Run, Series
+from stepwatch_server.storage.models import AgentSession, RankRollup, RollupMark, Run, Series, StepRollup
 
 BUCKET_STEPS = 64  # a level-0 rank rollup's bucket; level k's is BUCKET_STEPS << k steps wide
 LEVELS = 13  # levels 0..12: buckets of 64 .. 262,144 steps, each twice as wide as the one below
@@ -62,7 +68,8 @@ ALL_RANKS = -1  # the rank of a step rollup (over every rank) where one key shap
 
 NO_LIMIT = 2**62
 MAX_RANK_LIST = 4096  # ranks named in a range query (so the primary key is used); above, all are read
-_FINITE = f"abs(value) < {1e308}"  # false for NULL (SQLite's NaN), NaN and infinities on both backends
+FINITE_BELOW = 1e308  # a value counts as finite below this magnitude (NULL, NaN and infinities never do)
+_FINITE = f"abs(value) < {FINITE_BELOW}"  # false for NULL (SQLite's NaN), NaN and infinities on both backends
 _STATS_SQL = (
     f"sum(CASE WHEN {_FINITE} THEN 1 ELSE 0 END), coalesce(sum(CASE WHEN {_FINITE} THEN value END), 0), "
     f"min(CASE WHEN {_FINITE} THEN value END), max(CASE WHEN {_FINITE} THEN value END), "
@@ -258,13 +265,47 @@ def parts(conn: Connection, r: Round, max_values: int = NO_LIMIT) -> list[list[i
 def apply_part(
     conn: Connection, r: Round, ids: list[int], statements: dict[bool, list[Any]] | None = None
 ) -> None:
-    """Round `r` for series `ids`: a DELETE and an INSERT ... SELECT ... GROUP BY per table, then the
-    coarser rank rollup levels' whole buckets from the level below (`_roll_levels`). Each series'
+    """Round `r` for series `ids`: a DELETE and an INSERT ... SELECT ... GROUP BY per table (the values
+    aggregated with numpy where the range holds compacted ones: module docstring), then the coarser
+    rank rollup levels' whole buckets from the level below (`_roll_levels`). Each series'
     rollups change in one transaction: a reader sees a series' old rollups or its new ones."""
     ranked, params = ranked_params({"ids": ids, "first": r.first, "last": r.last}, r.ranks)
-    for statement in (statements or _ROLL)[ranked]:
-        conn.execute(statement, params)
+    blocks.lock_run(conn, r.run_id)
+    compacted = blocks.compacted_to(conn, r.run_id) if statements is None else None
+    if compacted is not None and r.first <= compacted:  # values in blocks, which SQL cannot read
+        for statement in _SKIP[ranked]:
+            conn.execute(statement, params)
+        _insert_from_values(conn, read_values(conn, ids, None, r.first, r.last, ranks=r.ranks))
+    else:
+        for statement in (statements or _ROLL)[ranked]:
+            conn.execute(statement, params)
     _roll_levels(conn, ids, r.ranks, r.first, r.last, max(r.mark, r.last_step))
+
+
+def _insert_from_values(conn: Connection, cols: list[np.ndarray]) -> None:
+    """Level 0 of the rank rollups and the step rollups of the values `cols` (every incarnation: each
+    row keeps its own), as the statements of `_ROLL` compute them from `points`."""
+    sid, rank, step, inc, value = cols
+    if sid.size == 0:
+        return
+    for table, keys in (
+        (RankRollup, {"series_id": sid, "level": np.zeros_like(sid), "rank": rank, "bucket": step // BUCKET_STEPS,
+                      "incarnation": inc}),
+        (StepRollup, {"series_id": sid, "step": step, "incarnation": inc}),
+    ):  # fmt: skip
+        unique, stats = aggregate(list(keys.values()), value)
+        columns = {
+            **dict(zip(keys, unique, strict=True)),
+            **dict(zip(_STAT_COLUMNS.split(", "), stats, strict=True)),
+        }
+        rows = [
+            {
+                name: (None if isinstance(v, float) and np.isnan(v) else v)
+                for name, v in zip(columns, row, strict=True)
+            }
+            for row in zip(*(c.tolist() for c in columns.values()), strict=True)
+        ]
+        conn.execute(insert(table), rows)
 
 
 def finish(conn: Connection, r: Round) -> None:
@@ -374,7 +415,8 @@ def aggregate(keys: Sequence[np.ndarray], values: np.ndarray) -> tuple[list[np.n
     for k in sorted_keys:
         change[1:] |= k[1:] != k[:-1]
     starts = np.flatnonzero(change)
-    finite = np.isfinite(v)
+    with np.errstate(invalid="ignore"):
+        finite = np.abs(v) < FINITE_BELOW  # as `_FINITE` in SQL
     n = np.add.reduceat(finite.astype(np.int64), starts)
     total = np.add.reduceat(np.where(finite, v, 0.0), starts)
     lo = np.minimum.reduceat(np.where(finite, v, np.inf), starts)

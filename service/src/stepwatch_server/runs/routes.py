@@ -310,5 +310,6 @@ def get_run(run: str, conn: Conn) -> Response:
             "tensors": tensors,
             "restarts": queries.restarts(conn, found.id),
             "raw_from_step": None if expired is None else int(expired) + 1,
+            "compacted_to": found.compacted_to,
         }
     )

@@ -25,6 +25,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -84,6 +85,8 @@ class Run(Base):
     last_seen_at: Mapped[dt.datetime]
     # The last step whose raw per-rank data retention deleted (runs/expiry.py); None: all of it is kept.
     raw_expired_to: Mapped[int | None] = mapped_column(BigInteger)
+    # No block (runs/compaction.py) holds a step above this one; None: the run has no block.
+    compacted_to: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class Rank(Base):
@@ -160,6 +163,24 @@ class Point(Base):
     step: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
     incarnation: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     value: Mapped[float | None] = mapped_column(Double)
+
+
+class ValueBlock(Base):
+    """The values of one rank and incarnation over one bucket of BLOCK_STEPS steps, every series of the
+    run, compressed (storage/codec.py): the compact form `points` rows take once a run has moved on
+    (runs/compaction.py). `n_values`: how many values it holds."""
+
+    __tablename__ = "blocks"
+    __table_args__ = ({"sqlite_with_rowid": False},)
+
+    run_id: Mapped[int] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True, autoincrement=False
+    )
+    rank: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    bucket: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    incarnation: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    n_values: Mapped[int]
+    data: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class RollupStats:

@@ -1,0 +1,212 @@
+"""Compaction: a background worker that moves a run's older values from `points` (one row each) into
+`blocks` (one compressed row per rank, incarnation and 64-step bucket: storage/blocks.py), README "Disk
+use, retention and deleting a run".
+
+A run's steps are compacted once the rollups hold them (`rollup_marks.rolled_to`) and they are more
+than `after_steps` behind its newest step (the highest `last_step` of its ranks), whole buckets only,
+so the views that read the newest steps (`/metrics`, a rank's median step time, the step rollups above
+the watermark) and Grafana's PostgreSQL panels keep reading rows. Each transaction moves at most
+`max_values` values (a window of buckets, or of ranks within one bucket): it reads the rows, writes
+their blocks (merged with a block already there: a late value re-sent after an interrupted pass),
+deletes the rows and raises the run's `compacted_to`, the highest step a block may hold (what reads
+and roll-ups look at before reading blocks). Reads are whole between any two transactions. A worker
+that starts (or did not finish a bucket for every rank) begins again at the bucket holding
+`compacted_to`, whose rows some ranks may still hold.
+
+A value that arrives later for a compacted step stays a row (reads take rows and blocks together:
+runs/queries.read_values; the rollup worker recomputes such a bucket from both: runs/rollups.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import Connection, Engine, bindparam, delete, func, insert, select, text, update
+
+from stepwatch_server.background import BackgroundWorker
+from stepwatch_server.runs.deletion import DELETE_CHUNK_ROWS
+from stepwatch_server.runs.queries import fetch_chunked
+from stepwatch_server.settings import DEFAULT_COMPACT_AFTER_STEPS
+from stepwatch_server.storage import blocks
+from stepwatch_server.storage.chunks import chunk_size, chunks
+from stepwatch_server.storage.engine import write_transaction
+from stepwatch_server.storage.models import AgentSession, Point, Rank, RollupMark, Run, Series, ValueBlock
+
+log = logging.getLogger(__name__)
+
+COMPACTION_INTERVAL_S = 10.0
+BLOCK_STEPS = blocks.BLOCK_STEPS
+
+_DELETE_POINTS = text(
+    "DELETE FROM points WHERE series_id IN :ids AND rank IN :ranks AND step >= :first AND step <= :last"
+).bindparams(bindparam("ids", expanding=True), bindparam("ranks", expanding=True))
+
+
+@dataclass(frozen=True, slots=True)
+class _Due:
+    """A run's buckets first..last (inclusive) are due, over `ranks`, `series` of them named `ids`."""
+
+    run_id: int
+    first: int
+    last: int
+    ranks: list[int]
+    ids: list[int]
+
+
+class CompactionWorker(BackgroundWorker):
+    label = "compaction"
+    error_pause_s = 1.0
+
+    def __init__(
+        self,
+        engine: Engine,
+        after_steps: int = DEFAULT_COMPACT_AFTER_STEPS,
+        interval_s: float = COMPACTION_INTERVAL_S,
+        max_values: int = DELETE_CHUNK_ROWS,
+    ) -> None:
+        super().__init__()
+        self.db = engine
+        self.after_steps = after_steps
+        self.interval_s = interval_s
+        self.max_values = max_values
+        self.values_moved = 0
+        self.blocks_written = 0
+        self._finished: dict[int, int] = {}  # run id -> the last bucket moved for every rank by this worker
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._guard("compaction", self.compact_once)
+            self._stop.wait(self.interval_s)
+
+    def compact_once(self, max_transactions: int | None = None) -> int:
+        """Compact what is due in every run, in transactions of at most `max_values` values (stopping after
+        `max_transactions` of them that moved any); the values moved."""
+        moved, done = 0, 0
+        for due in self._due():
+            for window in self._windows(due):
+                if self._stop.is_set() or (max_transactions is not None and done >= max_transactions):
+                    return moved
+                n = self._move(due, *window)
+                moved += n
+                done += 1 if n else 0
+        return moved
+
+    def _due(self) -> list[_Due]:
+        newest = (
+            select(Rank.run_id, func.max(Rank.last_step).label("newest")).group_by(Rank.run_id).subquery()
+        )
+        with self.db.connect() as conn:
+            rows = conn.execute(
+                select(Run.id, Run.compacted_to, RollupMark.rolled_to, newest.c.newest)
+                .join(RollupMark, RollupMark.run_id == Run.id)
+                .join(newest, newest.c.run_id == Run.id)
+                .order_by(Run.id)
+            ).all()
+            out = []
+            for run_id, compacted_to, rolled_to, top in rows:
+                if top is None:
+                    continue
+                horizon = min(int(rolled_to), int(top) - self.after_steps)
+                last = (horizon + 1) // BLOCK_STEPS - 1  # the last bucket wholly up to the horizon
+                if compacted_to is None:
+                    start = conn.execute(
+                        select(func.min(AgentSession.first_step)).where(AgentSession.run_id == run_id)
+                    ).scalar()
+                    first = max(0, int(start or 0)) // BLOCK_STEPS
+                else:  # the last bucket written may be unfinished (some ranks' rows left), unless known done
+                    first = max(int(compacted_to) // BLOCK_STEPS, self._finished.get(int(run_id), -1) + 1)
+                if first > last:
+                    continue
+                ranks = list(
+                    conn.execute(select(Rank.rank).where(Rank.run_id == run_id).order_by(Rank.rank)).scalars()
+                )
+                ids = list(
+                    conn.execute(
+                        select(Series.id).where(Series.run_id == run_id).order_by(Series.id)
+                    ).scalars()
+                )
+                out.append(_Due(int(run_id), first, last, [int(r) for r in ranks], [int(i) for i in ids]))
+        return out
+
+    def _windows(self, due: _Due) -> list[tuple[int, int, list[int], bool]]:
+        """(first bucket, last bucket, ranks, whether it finishes its buckets) of each transaction: whole
+        buckets for every rank while a bucket's values fit `max_values`, else one bucket, ranks in groups."""
+        per_rank_bucket = max(1, len(due.ids)) * BLOCK_STEPS
+        per_bucket = per_rank_bucket * max(1, len(due.ranks))
+        if per_bucket <= self.max_values:
+            width = self.max_values // per_bucket
+            return [
+                (b, min(b + width - 1, due.last), due.ranks, True)
+                for b in range(due.first, due.last + 1, width)
+            ]
+        size = max(1, self.max_values // per_rank_bucket)
+        groups = [list(g) for g in chunks(due.ranks, size)]
+        return [
+            (b, b, group, i == len(groups) - 1)
+            for b in range(due.first, due.last + 1)
+            for i, group in enumerate(groups)
+        ]
+
+    def _move(self, due: _Due, first: int, last: int, ranks: list[int], finishes: bool) -> int:
+        lo, hi = first * BLOCK_STEPS, last * BLOCK_STEPS + BLOCK_STEPS - 1
+        with write_transaction(self.db) as conn:
+            blocks.lock_run(conn, due.run_id)
+            rows = _read_rows(conn, due.ids, ranks, lo, hi)
+            moved = int(rows[0].shape[0])
+            if moved:
+                held = _held(conn, due.run_id, ranks, first, last)
+                new = blocks.encode_rows(blocks.join([held, rows]))  # a block already there: its values first
+                conn.execute(
+                    delete(ValueBlock).where(
+                        ValueBlock.run_id == due.run_id,
+                        ValueBlock.rank.in_(ranks),
+                        ValueBlock.bucket >= first,
+                        ValueBlock.bucket <= last,
+                    )
+                )
+                conn.execute(insert(ValueBlock), [{"run_id": due.run_id, **row} for row in new])
+                for part in chunks(due.ids, chunk_size(conn, fixed=len(ranks) + 2)):
+                    conn.execute(_DELETE_POINTS, {"ids": list(part), "ranks": ranks, "first": lo, "last": hi})
+                with self._lock:
+                    self.values_moved += moved
+                    self.blocks_written += len(new)
+                if (blocks.compacted_to(conn, due.run_id) or -1) < hi:  # reads look for blocks up to here
+                    conn.execute(update(Run).where(Run.id == due.run_id).values(compacted_to=hi))
+        if finishes:
+            with self._lock:
+                self._finished[due.run_id] = last
+        if moved:
+            log.debug("compaction: run %d buckets %d..%d: %d values", due.run_id, first, last, moved)
+        return moved
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "values_moved": self.values_moved,
+                "blocks_written": self.blocks_written,
+                "errors": self.errors,
+            }
+
+
+def _read_rows(conn: Connection, ids: Sequence[int], ranks: list[int], lo: int, hi: int) -> blocks.Columns:
+    def query(part: Sequence[int]) -> object:
+        return select(Point.series_id, Point.rank, Point.step, Point.incarnation, Point.value).where(
+            Point.series_id.in_(part), Point.rank.in_(ranks), Point.step >= lo, Point.step <= hi
+        )
+
+    return fetch_chunked(conn, ids, query, (0, 1, 2, 3), fixed=len(ranks) + 2)
+
+
+def _held(conn: Connection, run_id: int, ranks: list[int], first: int, last: int) -> blocks.Columns:
+    """The values of the blocks already in the window (none, but after an interrupted pass and a late value)."""
+    found = conn.execute(
+        select(ValueBlock.rank, ValueBlock.incarnation, ValueBlock.data).where(
+            ValueBlock.run_id == run_id,
+            ValueBlock.rank.in_(ranks),
+            ValueBlock.bucket >= first,
+            ValueBlock.bucket <= last,
+        )
+    ).all()
+    return blocks.join([blocks.decode_row(int(r), int(i), bytes(d)) for r, i, d in found])

@@ -1,0 +1,170 @@
+"""The `blocks` table: a rank's values of every series over one bucket of BLOCK_STEPS steps, one
+incarnation, as one compressed row (storage/codec.py), the compact form of `points` rows once a run has
+moved on (runs/compaction.py writes them; README "Disk use, retention and deleting a run").
+
+Values are handed around as five numpy columns in `points` order: series id, rank, step, incarnation,
+value (`Columns`). `encode_rows` turns such columns into block rows; `read_columns` reads a range of
+a run's blocks back into columns, keeping only the series and steps asked for. A run whose
+`compacted_to` is NULL or below the range has no block there, and costs one small query.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from sqlalchemy import Connection, bindparam, func, select, text
+
+from stepwatch_server.storage.chunks import chunk_size, chunks
+from stepwatch_server.storage.codec import Block, decode, encode
+from stepwatch_server.storage.models import Run, ValueBlock
+
+BLOCK_STEPS = 64  # a block's bucket; the rank rollups' level-0 bucket (runs/rollups.py BUCKET_STEPS)
+
+Columns = list[np.ndarray]  # [series_id, rank, step, incarnation] int64, [value] float64
+
+
+def empty_columns() -> Columns:
+    ints = np.zeros(0, dtype=np.int64)
+    return [ints, ints, ints, ints, np.zeros(0, dtype=np.float64)]
+
+
+def join(parts: Sequence[Columns]) -> Columns:
+    parts = [p for p in parts if p[0].size]
+    if not parts:
+        return empty_columns()
+    if len(parts) == 1:
+        return parts[0]
+    return [np.concatenate([p[i] for p in parts]) for i in range(5)]
+
+
+def _groups(*keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The order that sorts rows by `keys` (first key first) and the starts of each run of equal keys."""
+    order = np.lexsort(tuple(reversed(keys)))
+    change = np.zeros(order.shape[0], dtype=bool)
+    if order.size:
+        change[0] = True
+    for k in keys:
+        s = k[order]
+        change[1:] |= s[1:] != s[:-1]
+    return order, np.flatnonzero(change)
+
+
+def encode_rows(cols: Columns) -> list[dict[str, Any]]:
+    """Block rows (rank, bucket, incarnation, n_values, data; no run id) of the values in `cols`. Where
+    the same (series, rank, step, incarnation) is given twice the first one is kept (`points` keeps
+    the first write too: ON CONFLICT DO NOTHING)."""
+    sid, rank, step, inc, value = cols
+    if sid.size == 0:
+        return []
+    _, first = np.unique(np.stack([sid, rank, step, inc], axis=1), axis=0, return_index=True)
+    first.sort()
+    sid, rank, step, inc, value = sid[first], rank[first], step[first], inc[first], value[first]
+    bucket = step // BLOCK_STEPS
+    order, starts = _groups(rank, bucket, inc)
+    ends = np.append(starts[1:], order.shape[0])
+    rows = []
+    for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+        at = order[a:b]
+        steps, step_index = np.unique(step[at], return_inverse=True)
+        series, series_index = np.unique(sid[at], return_inverse=True)
+        values = np.zeros((series.shape[0], steps.shape[0]), dtype=np.float64)
+        present = np.zeros(values.shape, dtype=bool)
+        values[series_index, step_index] = value[at]
+        present[series_index, step_index] = True
+        i = at[0]
+        rows.append(
+            {
+                "rank": int(rank[i]),
+                "bucket": int(bucket[i]),
+                "incarnation": int(inc[i]),
+                "n_values": int(b - a),
+                "data": encode(Block(steps, series, values, present)),
+            }
+        )
+    return rows
+
+
+def decode_row(rank: int, incarnation: int, data: bytes) -> Columns:
+    """A block row's values as columns, series by series in step order."""
+    block = decode(data)
+    m, n = block.present.shape
+    keep = block.present.ravel()
+    return [
+        np.repeat(block.series, n)[keep],
+        np.full(int(keep.sum()), rank, dtype=np.int64),
+        np.tile(block.steps, m)[keep],
+        np.full(int(keep.sum()), incarnation, dtype=np.int64),
+        block.values.ravel()[keep],
+    ]
+
+
+_COMPACTED = text(
+    "SELECT DISTINCT series.run_id, runs.compacted_to FROM series JOIN runs ON runs.id = series.run_id "
+    "WHERE series.id IN :ids AND runs.compacted_to IS NOT NULL"
+).bindparams(bindparam("ids", expanding=True))
+
+
+def compacted_runs(conn: Connection, ids: Sequence[int]) -> dict[int, int]:
+    """{run id: compacted_to} of the runs of series `ids` that have blocks."""
+    found: dict[int, int] = {}
+    for part in chunks(sorted(ids), chunk_size(conn)):
+        found.update({int(r): int(c) for r, c in conn.execute(_COMPACTED, {"ids": list(part)})})
+    return found
+
+
+def read_columns(
+    conn: Connection,
+    ids: Sequence[int],
+    rank: int | None,
+    ranks: Sequence[int] | None,
+    first: int | None,
+    last: int | None,
+) -> Columns:
+    """The block-held values of series `ids` (of rank `rank`, or of `ranks`, or all) in steps first..last,
+    all incarnations, unordered."""
+    if not ids:
+        return empty_columns()
+    lo = 0 if first is None else max(0, first)
+    runs = {r: c for r, c in compacted_runs(conn, ids).items() if c >= lo}
+    if not runs:
+        return empty_columns()
+    wanted = np.asarray(sorted(ids), dtype=np.int64)
+    parts = []
+    for run_id, compacted_to in runs.items():
+        hi = compacted_to if last is None else min(last, compacted_to)
+        q = select(ValueBlock.rank, ValueBlock.incarnation, ValueBlock.data).where(
+            ValueBlock.run_id == run_id,
+            ValueBlock.bucket >= lo // BLOCK_STEPS,
+            ValueBlock.bucket <= hi // BLOCK_STEPS,
+        )
+        if rank is not None:
+            q = q.where(ValueBlock.rank == rank)
+        elif ranks is not None:
+            q = q.where(ValueBlock.rank.in_(list(ranks)))
+        for block_rank, incarnation, data in conn.execute(q):
+            cols = decode_row(int(block_rank), int(incarnation), bytes(data))
+            keep = np.isin(cols[0], wanted)
+            if first is not None:
+                keep &= cols[2] >= first
+            if last is not None:
+                keep &= cols[2] <= last
+            parts.append([c[keep] for c in cols])
+    return join(parts)
+
+
+_LOCK_KEY = -2  # PostgreSQL advisory lock (run_id, -2): moving a run's values (ingest's names use -1)
+
+
+def lock_run(conn: Connection, run_id: int) -> None:
+    """Serialise the transactions that move a run's values between rows and blocks (compaction) or
+    aggregate them (a roll-up deciding whether blocks are involved), across processes. SQLite's one
+    writer does this already."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(select(func.pg_advisory_xact_lock(run_id, _LOCK_KEY)))
+
+
+def compacted_to(conn: Connection, run_id: int) -> int | None:
+    value = conn.execute(select(Run.compacted_to).where(Run.id == run_id)).scalar()
+    return None if value is None else int(value)

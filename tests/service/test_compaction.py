@@ -1,0 +1,352 @@
+"""Compaction (README "Disk use, retention and deleting a run": older values are stored compactly), on both
+backends: a run's steps far enough behind its newest step move from one row per value into one compressed
+block per rank and 64 steps, and every read gives back what it gave before, bit for bit: NaN, infinities,
+-0.0, subnormals, float64 values that are not float32, values not sent (null), a restart's incarnation
+replacing steps, the per-rank and mean curves, the module statistics, the heatmaps and the rollups. A value
+that arrives late for a compacted step is read with its block and counted in the rollups; expiry and
+deleting a run remove the blocks; a database written before compaction existed is converted with every
+value kept.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from sqlalchemy import Engine, func, insert, select
+
+from stepwatch_server.cli import build_parser
+from stepwatch_server.ingest.store import insert_points
+from stepwatch_server.runs import queries, rollups
+from stepwatch_server.runs.compaction import CompactionWorker
+from stepwatch_server.runs.deletion import delete_run, find
+from stepwatch_server.runs.expiry import ExpiryWorker
+from stepwatch_server.settings import Settings
+from stepwatch_server.storage import make_engine, upgrade, write_transaction
+from stepwatch_server.storage.models import Point, Rank, RankRollup, RollupMark, Run, Series, ValueBlock
+from tests.service.conftest import Collector
+
+STEPS = 400
+AFTER = 128  # compact the steps more than this far behind the newest: buckets 0..3 (steps 0..255)
+COMPACTED_TO = 255
+LATE = range(10, 20)  # rank 1 skips these steps and sends them after compaction
+RESTART = range(300, 331)  # rank 0's second incarnation sends these again, with other values
+WAIT_S = 60.0
+T0 = 1_764_427_200.0
+SPECIAL = {  # step: a value the codec must keep bit for bit
+    5: math.nan,
+    70: math.inf,
+    71: -math.inf,
+    72: -0.0,
+    73: 5e-324,
+    74: 1.7976931348623157e308,
+    75: 0.1 + 0.2,
+}
+
+
+def _loss(rank: int, steps: range, incarnation: int = 1) -> list[Any]:
+    rng = np.random.default_rng(rank * 10 + incarnation)
+    out: list[Any] = (3.0 + rng.standard_normal(len(steps))).tolist()  # float64, not float32-exact
+    for i, s in enumerate(steps):
+        if s in SPECIAL:
+            out[i] = _json(SPECIAL[s])
+        elif s == 80:
+            out[i] = None  # not measured at this step: absent, not NaN
+    return out
+
+
+def _json(x: float) -> Any:
+    if math.isnan(x):
+        return "NaN"
+    if math.isinf(x):
+        return "Infinity" if x > 0 else "-Infinity"
+    return x
+
+
+def _batch(rank: int, steps: range, session: str, seq: int, incarnation: int = 1) -> dict[str, Any]:
+    tensor_steps = [s for s in steps if s % 10 == 0]
+    return {
+        "schema": 1,
+        "run": "compact",
+        "session": session,
+        "seq": seq,
+        "rank": rank,
+        "world_size": 2,
+        "steps": list(steps),
+        "timestamps": [T0 + s for s in steps],
+        "metrics": {
+            "loss": _loss(rank, steps, incarnation),
+            "lr": [float(np.float32(1e-4 * (1 + s % 7))) for s in steps],  # float32-exact
+            "time.step_ms": [100.0 + 0.001 * s + rank for s in steps],
+            "time.data_ms": [5.0 + (s % 3) + 10 * rank for s in steps],
+            "time.backward_ms": [40.0 + 0.5 * (s % 5) for s in steps],
+            "time.optimizer_ms": [8.0 + 0.25 * (s % 2) for s in steps],
+        },
+        "tensors": {
+            "steps": tensor_steps,
+            "stats": {"amax": {"layers.0": [float(s) / 3 + rank for s in tensor_steps]}},
+        },
+    }
+
+
+def _feed(collector: Collector) -> None:
+    parts = {0: [range(0, STEPS)], 1: [range(0, LATE.start), range(LATE.stop, STEPS)]}
+    for rank, ranges in parts.items():
+        for seq, steps in enumerate(ranges):
+            for start in range(steps.start, steps.stop, 50):  # batches of at most 50 steps
+                chunk = range(start, min(start + 50, steps.stop))
+                answer = collector.post(_batch(rank, chunk, f"compact-{rank}", seq * 100 + start))
+                assert answer.status_code == 200, answer.text
+    answer = collector.post(_batch(0, RESTART, "compact-0-again", 0, incarnation=2))
+    assert answer.status_code == 200, answer.text
+
+
+def _rolled_up(engine: Engine, last: int = STEPS - 1) -> None:
+    """Wait for the rollup worker's watermark to reach step `last` (and its round to finish)."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        with engine.connect() as conn:
+            mark = conn.execute(
+                select(RollupMark.rolled_to)
+                .join(Run, Run.id == RollupMark.run_id)
+                .where(Run.name == "compact")
+            ).scalar()
+        if mark is not None and mark >= last:
+            time.sleep(0.5)  # the coarser levels are written in the same transaction; the next round is idle
+            return
+        assert time.monotonic() < deadline, mark
+        time.sleep(0.2)
+
+
+def _raw(engine: Engine) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
+    """Every (series, rank)'s raw series as the collector reads it: steps, and values as their bits."""
+    with engine.connect() as conn:
+        run_id = conn.execute(select(Run.id).where(Run.name == "compact")).scalar_one()
+        ids = list(conn.execute(select(Series.id).where(Series.run_id == run_id)).scalars())
+        series = queries.read_points(conn, ids, None, None, None)
+    return {(s.series_id, s.rank): (s.steps.copy(), s.values.view(np.int64).copy()) for s in series}
+
+
+def _views(collector: Collector) -> dict[str, Any]:
+    """The answers of every read that shows values, over the whole run."""
+    big = {"max_points": 10_000}
+    out = {
+        f"series {rank}": collector.get("/api/v1/runs/compact/series", metric=m, rank=rank, **big)
+        for rank in ("0", "1", "all", "mean")
+        for m in ("loss", "lr", "time.step_ms")
+    }
+    out["tensors"] = collector.get("/api/v1/runs/compact/tensors", stat="amax", **big)
+    out["amax"] = collector.get("/api/v1/runs/compact/amax", **big)
+    for metric, mode in (("loss", "absolute"), ("time.step_ms", "median")):
+        out[f"heatmap {metric}"] = collector.get(
+            "/api/v1/runs/compact/heatmap", metric=metric, mode=mode, buckets=40
+        )
+        out[f"heatmap {metric} narrow"] = collector.get(
+            "/api/v1/runs/compact/heatmap", metric=metric, mode=mode, buckets=40, from_step=100, to_step=140
+        )
+    out["late"] = collector.get("/api/v1/runs/compact/heatmap", metric="time.late_ms", buckets=20)
+    return out
+
+
+def _count(engine: Engine, table: Any) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(select(func.count()).select_from(table)).scalar_one())
+
+
+def _same(a: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]], b: Any) -> None:
+    assert a.keys() == b.keys()
+    for key, (steps, bits) in a.items():
+        assert np.array_equal(steps, b[key][0]), key
+        assert np.array_equal(bits, b[key][1]), key  # float64 bit for bit, NaN included
+
+
+def test_compacted_values_read_back_bit_for_bit_in_every_view(
+    start_collector: Callable[..., Collector], engine: Engine
+) -> None:
+    collector = start_collector(compact_after_steps=0)  # this test runs the worker itself
+    _feed(collector)
+    _rolled_up(engine)
+    raw_before, views_before = _raw(engine), _views(collector)
+    rows_before = _count(engine, Point)
+
+    worker = CompactionWorker(engine, after_steps=AFTER)
+    moved = worker.compact_once()
+    with engine.connect() as conn:
+        compacted_to = conn.execute(select(Run.compacted_to).where(Run.name == "compact")).scalar_one()
+        left = conn.execute(select(func.max(Point.step)).where(Point.step <= COMPACTED_TO)).scalar()
+        in_blocks = conn.execute(select(func.sum(ValueBlock.n_values))).scalar_one()
+        blocks = conn.execute(select(func.count()).select_from(ValueBlock)).scalar_one()
+    assert compacted_to == COMPACTED_TO and left is None  # every row up to the horizon moved
+    assert moved == in_blocks == rows_before - _count(engine, Point)
+    assert blocks == 4 * 2  # one block per rank and 64-step bucket (one incarnation each there)
+    assert worker.compact_once() == 0  # nothing more is far enough behind
+
+    _same(raw_before, _raw(engine))
+    assert _views(collector) == views_before
+    run = collector.get("/api/v1/runs/compact")
+    assert run["compacted_to"] == COMPACTED_TO
+
+
+def test_a_late_value_for_a_compacted_step_is_read_with_its_block_and_rolled_up(
+    start_collector: Callable[..., Collector], engine: Engine
+) -> None:
+    collector = start_collector(compact_after_steps=0)
+    _feed(collector)
+    _rolled_up(engine)
+    CompactionWorker(engine, after_steps=AFTER).compact_once()
+
+    late = _batch(1, LATE, "compact-1", 50)
+    assert collector.post(late).status_code == 200
+    time.sleep(2.0)  # the rollup worker's rounds (every ~0.5 s) take the late steps in
+    series = collector.get("/api/v1/runs/compact/series", metric="loss", rank="1", max_points=10_000)
+    steps = series["series"][0]["steps"]
+    assert [s for s in steps if s < 30] == [s for s in range(30) if s != 80]  # the block's and the late ones
+    # Rank 1's first bucket (steps 0..63) in the rank rollups: the block's 54 steps and the 10 late ones.
+    with engine.connect() as conn:
+        sid = conn.execute(select(Series.id).where(Series.name == "time.step_ms")).scalar_one()
+        n, total = conn.execute(
+            select(RankRollup.n, RankRollup.total).where(
+                RankRollup.series_id == sid,
+                RankRollup.level == 0,
+                RankRollup.rank == 1,
+                RankRollup.bucket == 0,
+            )
+        ).one()
+    assert n == 64 and total == pytest.approx(sum(100.0 + 0.001 * s + 1 for s in range(64)))
+    mean = collector.get("/api/v1/runs/compact/series", metric="time.step_ms", rank="mean", max_points=10_000)
+    steps = mean["series"][0]["steps"]
+    assert 10 in steps  # the step rollups hold the late steps, with both ranks' values
+    assert mean["series"][0]["values"][steps.index(15)] == pytest.approx(100.0 + 0.015 + 0.5)
+
+    # A second compaction leaves the late rows alone (their step is behind the horizon) and reads stay whole.
+    before = _raw(engine)
+    CompactionWorker(engine, after_steps=AFTER).compact_once()
+    _same(before, _raw(engine))
+
+
+def test_expiry_and_deletion_remove_the_blocks(
+    start_collector: Callable[..., Collector], engine: Engine
+) -> None:
+    collector = start_collector(compact_after_steps=0)
+    now = time.time()
+    for rank in range(2):  # steps 0..299 finished 10 days ago, 300..399 within the hour
+        for start in range(0, STEPS, 100):
+            batch = _batch(rank, range(start, start + 100), f"old-rank-{rank}", start)
+            batch["timestamps"] = [
+                (now - 10 * 86_400.0 if s < 300 else now - 600.0) + s for s in batch["steps"]
+            ]
+            answer = collector.post(batch)
+            assert answer.status_code == 200, answer.text
+    _rolled_up(engine)
+    CompactionWorker(engine, after_steps=AFTER).compact_once()
+    stored = collector.get("/api/v1/runs/compact")["stored_values"]
+    assert _count(engine, ValueBlock) == 8
+
+    removed = ExpiryWorker(engine, raw_retention_days=5.0, run_retention_days=None).expire_once(time.time())
+    with engine.connect() as conn:
+        kept = conn.execute(select(func.min(ValueBlock.bucket))).scalar()
+    # Expired up to step 299: buckets 0..3 (steps 0..255) wholly, so every block goes; rows 256..299 too.
+    assert kept is None
+    run = collector.get("/api/v1/runs/compact")
+    assert run["raw_from_step"] == 300 and run["stored_values"] == stored - removed["raw_values"]
+    assert run["stored_values"] == 2 * 100 * 6 + 2 * 10  # steps 300..399: 6 metrics, amax every 10th
+
+    CompactionWorker(engine, after_steps=AFTER).compact_once()  # nothing left behind the horizon to move
+    with engine.connect() as conn:
+        delete_run(engine, find(conn, "compact"))
+    assert _count(engine, ValueBlock) == 0 and _count(engine, Point) == 0
+
+
+def test_values_written_before_compaction_existed_are_converted_with_every_value_kept(
+    start_collector: Callable[..., Collector], engine: Engine
+) -> None:
+    """An upgraded database: the run's rows were written with compaction off (as every earlier version
+    did); turning it on moves them in the background, a window at a time, and reads stay the same."""
+    collector = start_collector(compact_after_steps=0)
+    _feed(collector)
+    _rolled_up(engine)
+    before, views = _raw(engine), _views(collector)
+    worker = CompactionWorker(engine, after_steps=AFTER, max_values=500)  # many small transactions
+    rounds = 0
+    while worker.compact_once(max_transactions=1):
+        rounds += 1
+        _same(before, _raw(engine))  # whole after every transaction
+    assert rounds > 4
+    assert _views(collector) == views
+
+
+def test_the_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Settings().compact_after_steps == 3600
+    assert Settings(compact_after_steps=0).compact_after_steps == 0
+    with pytest.raises(ValueError, match=r"compact_after_steps.*at least 128"):
+        Settings(compact_after_steps=10)
+    monkeypatch.setenv("STEPWATCH_COMPACT_AFTER_STEPS", "500")
+    assert Settings().compact_after_steps == 500
+    monkeypatch.setenv("STEPWATCH_COMPACT_AFTER_STEPS", "soon")
+    with pytest.raises(ValueError, match="STEPWATCH_COMPACT_AFTER_STEPS"):
+        Settings()
+    monkeypatch.delenv("STEPWATCH_COMPACT_AFTER_STEPS")
+    args = build_parser().parse_args(["serve", "--compact-after-steps", "1000"])
+    assert args.compact_after_steps == 1000
+
+
+def test_the_collector_compacts_by_itself(start_collector: Callable[..., Collector], engine: Engine) -> None:
+    collector = start_collector(compact_after_steps=AFTER)
+    _feed(collector)
+    deadline = time.monotonic() + WAIT_S
+    while collector.get("/api/v1/runs/compact")["compacted_to"] != COMPACTED_TO:
+        assert time.monotonic() < deadline, "the collector's compaction worker did not compact the run"
+        time.sleep(0.5)
+    assert _count(engine, ValueBlock) == 8
+
+
+def test_a_database_of_the_previous_schema_keeps_every_value_through_upgrade_and_compaction(
+    database_url: str,
+) -> None:
+    """Rows written under revision 0007 (before blocks existed): the upgrade adds the table and the column,
+    and the worker then moves the rows, every value read back bit for bit."""
+    engine = make_engine(database_url)
+    try:
+        upgrade(engine, "0007")
+        now = dt.datetime.now(dt.UTC)
+        steps = np.arange(1000, dtype=np.int64)
+        with engine.begin() as conn:
+            run_id = conn.execute(
+                insert(Run)
+                .values(name="compact", world_size=2, created_at=now, last_seen_at=now)
+                .returning(Run.id)
+            ).scalar_one()
+            for rank in range(2):
+                conn.execute(
+                    insert(Rank).values(
+                        run_id=run_id, rank=rank, world_size=2, replica_group=rank, shard=0, num_shards=1,
+                        incarnation=1, last_step=999, last_seen_at=now,
+                    )
+                )  # fmt: skip
+            rows = []
+            for name in ("loss", "lr"):
+                sid = conn.execute(
+                    insert(Series).values(run_id=run_id, stat="", name=name).returning(Series.id)
+                ).scalar_one()
+                for rank in range(2):
+                    values = np.random.default_rng(rank).standard_normal(steps.shape[0])
+                    for step, special in SPECIAL.items():
+                        values[step] = special
+                    rows += [(sid, rank, int(s), 1, float(v)) for s, v in zip(steps, values, strict=True)]
+            insert_points(conn, rows)
+        upgrade(engine)
+        with write_transaction(engine) as conn:
+            rollups.roll_up(conn, run_id, 0, 999)
+        before = _raw(engine)
+        assert sum(s.shape[0] for s, _ in before.values()) == 4 * 1000
+        assert CompactionWorker(engine, after_steps=AFTER).compact_once() == 4 * 832  # steps 0..831
+        _same(before, _raw(engine))
+        with engine.connect() as conn:
+            assert conn.execute(select(Run.compacted_to)).scalar_one() == 831
+    finally:
+        engine.dispose()
