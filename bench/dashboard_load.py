@@ -5,7 +5,7 @@ is written straight into a fresh database with the collector's own bulk insert (
 each chunk handed to the collector's own rollup worker (`RollupWorker`) as ingest hands it over:
 every rank's loss, grad norm, lr, step/forward/data time and allocated memory on every step, the
 amax of `--modules` modules every 10th step, and every step's timestamp, as the agent would send
-them (a straggler and a loss spike included, so the pictures have something to show). The page is
+them (`_as_sent`: float32-exact losses, norms and amax, whole bytes of memory, float64 times) (a straggler and a loss spike included, so the pictures have something to show). The page is
 timed only once the worker has rolled everything up (`rollup_wait_s`: how long that took after
 the last chunk was written) and the database's size over its values printed (bytes a value, indexes and
 rollups included: issue 17). A real
@@ -30,6 +30,7 @@ import concurrent.futures
 import contextlib
 import datetime as dt
 import json
+import sqlite3
 import statistics
 import sys
 import tempfile
@@ -72,6 +73,16 @@ def page_calls(run: str) -> tuple[list[str], list[str]]:
         f"{base}/amax?max_points={MAX_POINTS}",
     ]
     return first, second
+
+
+def _as_sent(metric: str, v: np.ndarray) -> np.ndarray:
+    """Values as the agent sends them: a float32 tensor's `.item()` (loss, gradient norm, amax), allocated
+    bytes / 2**20 (memory), or a float64 difference of clock readings (times, as they come)."""
+    if metric in ("loss", "grad_norm", "amax"):
+        return v.astype(np.float32).astype(np.float64)
+    if metric.startswith("mem."):
+        return np.round(v * 2**20) / 2**20
+    return v
 
 
 def write_run(database_url: str, steps: int, ranks: int, modules: int) -> dict[str, Any]:
@@ -127,12 +138,13 @@ def write_run(database_url: str, steps: int, ranks: int, modules: int) -> dict[s
             for r in range(ranks):
                 rows: list[tuple[int, int, int, int, float]] = []
                 for metric, values in base.items():
-                    v = values * (1.0 + 0.02 * rng.standard_normal(n))
+                    v = values if metric == "lr" else values * (1.0 + 0.02 * rng.standard_normal(n))
                     if metric == "time.forward_ms" and r == ranks // 3:
                         v = v * np.where(s >= steps // 4, 1.3, 1.0)  # the straggler
+                    v = _as_sent(metric, v)
                     rows.extend(zip([ids[metric]] * n, [r] * n, s.tolist(), [1] * n, v.tolist(), strict=True))
                 for i in range(modules):
-                    v = (10.0 + i) * (1.0 + 0.05 * rng.standard_normal(amax_steps.shape[0]))
+                    v = _as_sent("amax", (10.0 + i) * (1.0 + 0.05 * rng.standard_normal(amax_steps.shape[0])))
                     k = amax_steps.shape[0]
                     sid = ids[f"layers.{i}.mlp.fc1"]
                     rows.extend(
@@ -252,7 +264,9 @@ def bench(backend: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         url = stack.enter_context(place)
         migrated_s = migrate(url) if kept else None  # a kept file written by an older schema: timed here
         # It applies the migrations (none left); compaction is this benchmark's to run (`--compact`).
-        server = stack.enter_context(_servers.collector(url, options=["--compact-after-steps", "0"]))
+        server = stack.enter_context(
+            _servers.collector(url, options=["--compact-after-steps", "0"], log_path=args.server_log)
+        )
         before = written_before(url) if kept else None
         if before is not None:
             if (before["steps"], before["ranks"]) != (args.steps, args.ranks):
@@ -327,9 +341,13 @@ def disk_use(url: str, vacuum: bool = False) -> dict[str, Any]:
 
     engine = make_engine(url)
     try:
-        if vacuum:
+        if vacuum and engine.dialect.name == "sqlite":
+            with contextlib.closing(sqlite3.connect(str(engine.url.database), isolation_level=None)) as raw:
+                raw.execute("VACUUM")
+                raw.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # else the WAL keeps the rewritten pages' size
+        elif vacuum:
             with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-                conn.execute(text("VACUUM" if engine.dialect.name == "sqlite" else f"VACUUM FULL {_TABLES}"))
+                conn.execute(text(f"VACUUM FULL {_TABLES}"))
         with engine.connect() as conn:
             size = database_bytes(conn)
             tables = (
@@ -397,6 +415,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--backends", default="sqlite", help="comma-separated: sqlite,postgresql")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--server-log", type=Path, default=None, help="the collector's log goes here")
     parser.add_argument(
         "--compact",
         action="store_true",

@@ -1,5 +1,5 @@
 """Compact storage of older values: `blocks`, one compressed block of a rank's values of every series
-over one 64-step bucket (stepwatch_server/storage/codec.py, runs/compaction.py), and `runs.compacted_to`:
+over one 256-step bucket (stepwatch_server/storage/codec.py, runs/compaction.py), and `runs.compacted_to`:
 no block holds a step above it. NULL: the run has no block. Existing rows are moved by the
 compaction worker in the background, not by this migration (a big database would hold the upgrade for
 hours).

@@ -4,6 +4,7 @@ and a block that is not one refused by name."""
 from __future__ import annotations
 
 import struct
+import threading
 
 import numpy as np
 import pytest
@@ -139,3 +140,33 @@ def test_a_truncated_or_padded_block_is_refused() -> None:
     for bad in (raw[:-3], raw + b"\x00"):
         with pytest.raises(CorruptBlock):
             decode(zstandard.ZstdCompressor().compress(bad))
+
+
+def test_threads_encode_and_decode_at_once() -> None:
+    """The collector decodes blocks on its request threads at the same time (a run page's calls); each
+    thread gets its own values back (zstandard's objects are not thread-safe, so each thread has its own)."""
+    rng = np.random.default_rng(7)
+    made = []
+    for i in range(8):
+        values = rng.standard_normal((20, 64 * (i + 1)))
+        made.append(
+            Block(np.arange(values.shape[1]), np.arange(20), values, np.ones(values.shape, dtype=bool))
+        )
+    encoded = [encode(b) for b in made]
+    failures: list[str] = []
+
+    def work(i: int) -> None:
+        for _ in range(150):
+            try:
+                _assert_same(made[i], decode(encoded[i]))
+                assert encode(made[i]) == encoded[i]
+            except Exception as exc:  # collected: an assertion in a thread would not fail the test
+                failures.append(f"thread {i}: {type(exc).__name__}: {exc}")
+                return
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not failures, failures[:3]

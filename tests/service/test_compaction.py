@@ -32,7 +32,7 @@ from stepwatch_server.storage.models import Point, Rank, RankRollup, RollupMark,
 from tests.service.conftest import Collector
 
 STEPS = 400
-AFTER = 128  # compact the steps more than this far behind the newest: buckets 0..3 (steps 0..255)
+AFTER = 128  # compact the steps more than this far behind the newest: the first block (steps 0..255)
 COMPACTED_TO = 255
 LATE = range(10, 20)  # rank 1 skips these steps and sends them after compaction
 RESTART = range(300, 331)  # rank 0's second incarnation sends these again, with other values
@@ -183,7 +183,7 @@ def test_compacted_values_read_back_bit_for_bit_in_every_view(
         blocks = conn.execute(select(func.count()).select_from(ValueBlock)).scalar_one()
     assert compacted_to == COMPACTED_TO and left is None  # every row up to the horizon moved
     assert moved == in_blocks == rows_before - _count(engine, Point)
-    assert blocks == 4 * 2  # one block per rank and 64-step bucket (one incarnation each there)
+    assert blocks == 2  # one block per rank and 256-step bucket (one incarnation each there)
     assert worker.compact_once() == 0  # nothing more is far enough behind
 
     _same(raw_before, _raw(engine))
@@ -245,12 +245,12 @@ def test_expiry_and_deletion_remove_the_blocks(
     _rolled_up(engine)
     CompactionWorker(engine, after_steps=AFTER).compact_once()
     stored = collector.get("/api/v1/runs/compact")["stored_values"]
-    assert _count(engine, ValueBlock) == 8
+    assert _count(engine, ValueBlock) == 2
 
     removed = ExpiryWorker(engine, raw_retention_days=5.0, run_retention_days=None).expire_once(time.time())
     with engine.connect() as conn:
         kept = conn.execute(select(func.min(ValueBlock.bucket))).scalar()
-    # Expired up to step 299: buckets 0..3 (steps 0..255) wholly, so every block goes; rows 256..299 too.
+    # Expired up to step 299: the blocks (steps 0..255) wholly, so both go; rows 256..299 too.
     assert kept is None
     run = collector.get("/api/v1/runs/compact")
     assert run["raw_from_step"] == 300 and run["stored_values"] == stored - removed["raw_values"]
@@ -271,12 +271,14 @@ def test_values_written_before_compaction_existed_are_converted_with_every_value
     _feed(collector)
     _rolled_up(engine)
     before, views = _raw(engine), _views(collector)
-    worker = CompactionWorker(engine, after_steps=AFTER, max_values=500)  # many small transactions
+    worker = CompactionWorker(
+        engine, after_steps=AFTER, max_values=500
+    )  # the smallest: one rank's block each
     rounds = 0
     while worker.compact_once(max_transactions=1):
         rounds += 1
         _same(before, _raw(engine))  # whole after every transaction
-    assert rounds > 4
+    assert rounds == 2  # one per rank
     assert _views(collector) == views
 
 
@@ -302,7 +304,7 @@ def test_the_collector_compacts_by_itself(start_collector: Callable[..., Collect
     while collector.get("/api/v1/runs/compact")["compacted_to"] != COMPACTED_TO:
         assert time.monotonic() < deadline, "the collector's compaction worker did not compact the run"
         time.sleep(0.5)
-    assert _count(engine, ValueBlock) == 8
+    assert _count(engine, ValueBlock) == 2
 
 
 def test_a_database_of_the_previous_schema_keeps_every_value_through_upgrade_and_compaction(
@@ -344,9 +346,9 @@ def test_a_database_of_the_previous_schema_keeps_every_value_through_upgrade_and
             rollups.roll_up(conn, run_id, 0, 999)
         before = _raw(engine)
         assert sum(s.shape[0] for s, _ in before.values()) == 4 * 1000
-        assert CompactionWorker(engine, after_steps=AFTER).compact_once() == 4 * 832  # steps 0..831
+        assert CompactionWorker(engine, after_steps=AFTER).compact_once() == 4 * 768  # steps 0..767
         _same(before, _raw(engine))
         with engine.connect() as conn:
-            assert conn.execute(select(Run.compacted_to)).scalar_one() == 831
+            assert conn.execute(select(Run.compacted_to)).scalar_one() == 767
     finally:
         engine.dispose()

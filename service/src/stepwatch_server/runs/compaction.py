@@ -1,12 +1,12 @@
 """Compaction: a background worker that moves a run's older values from `points` (one row each) into
-`blocks` (one compressed row per rank, incarnation and 64-step bucket: storage/blocks.py), README "Disk
+`blocks` (one compressed row per rank, incarnation and 256-step bucket: storage/blocks.py), README "Disk
 use, retention and deleting a run".
 
 A run's steps are compacted once the rollups hold them (`rollup_marks.rolled_to`) and they are more
 than `after_steps` behind its newest step (the highest `last_step` of its ranks), whole buckets only,
 so the views that read the newest steps (`/metrics`, a rank's median step time, the step rollups above
 the watermark) and Grafana's PostgreSQL panels keep reading rows. Each transaction moves at most
-`max_values` values (a window of buckets, or of ranks within one bucket): it reads the rows, writes
+`max_values` values (a window of buckets, or of ranks within one bucket; one rank's block at least): it reads the rows, writes
 their blocks (merged with a block already there: a late value re-sent after an interrupted pass),
 deletes the rows and raises the run's `compacted_to`, the highest step a block may hold (what reads
 and roll-ups look at before reading blocks). Reads are whole between any two transactions. A worker

@@ -20,7 +20,10 @@ from stepwatch_server.storage.chunks import chunk_size, chunks
 from stepwatch_server.storage.codec import Block, decode, encode
 from stepwatch_server.storage.models import Run, ValueBlock
 
-BLOCK_STEPS = 64  # a block's bucket; the rank rollups' level-0 bucket (runs/rollups.py BUCKET_STEPS)
+# A block's bucket of steps. Wide enough that SQLite's overflow pages (a row over ~1 KB spills into 4 KiB
+# pages, the last one part empty) and zstd's frame cost little per value: ~13 KB a block of 256 steps x 7
+# metrics; 64 steps left ~40% of the pages empty (bench/README.md "Storage").
+BLOCK_STEPS = 256
 
 Columns = list[np.ndarray]  # [series_id, rank, step, incarnation] int64, [value] float64
 

@@ -24,6 +24,7 @@ raises `CorruptBlock` naming what is wrong.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,8 +33,16 @@ import zstandard
 VERSION = 1
 LEVEL = 3  # zstd: ~same ratio as 9 on these planes at a fraction of the CPU
 _U64 = np.uint64
-_COMPRESSOR = zstandard.ZstdCompressor(level=LEVEL)
-_DECOMPRESSOR = zstandard.ZstdDecompressor()
+_ZSTD = threading.local()  # zstandard's (de)compressor objects are not thread-safe: one pair per thread
+
+
+def _zstd() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
+    pair = getattr(_ZSTD, "pair", None)
+    if pair is None:
+        pair = _ZSTD.pair = (zstandard.ZstdCompressor(level=LEVEL), zstandard.ZstdDecompressor())
+    return pair
+
+
 MAX_BLOCK_BYTES = 256 * 1024 * 1024  # decoded size bound: a block is a batch's values at most (16 MiB)
 
 
@@ -237,13 +246,13 @@ def encode(block: Block) -> bytes:
         planes.append(_planes(out))
     parts.append((np.where(wide_rows, 8, 4) | (transforms.astype(np.int64) << 4)).astype(np.uint8).tobytes())
     parts += planes
-    return _COMPRESSOR.compress(b"".join(parts))
+    return _zstd()[0].compress(b"".join(parts))
 
 
 def decode(data: bytes) -> Block:
     """The block `encode` made; CorruptBlock when `data` is not one."""
     try:
-        raw = _DECOMPRESSOR.decompress(data, max_output_size=MAX_BLOCK_BYTES)
+        raw = _zstd()[1].decompress(data, max_output_size=MAX_BLOCK_BYTES)
     except zstandard.ZstdError as exc:
         raise CorruptBlock(f"block: not a zstd frame ({exc})") from None
     buf = np.frombuffer(raw, dtype=np.uint8)

@@ -166,7 +166,7 @@ class Point(Base):
 
 
 class ValueBlock(Base):
-    """The values of one rank and incarnation over one bucket of BLOCK_STEPS steps, every series of the
+    """The values of one rank and incarnation over one bucket of BLOCK_STEPS (256) steps, every series of the
     run, compressed (storage/codec.py): the compact form `points` rows take once a run has moved on
     (runs/compaction.py). `n_values`: how many values it holds."""
 
