@@ -282,7 +282,7 @@ def bench(backend: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         else:
             print(f"{backend}: writing {args.steps:,} steps x {args.ranks} ranks", flush=True)
             written = write_run(url, args.steps, args.ranks, args.modules)
-        written.update(disk_use(url))
+        written.update(disk_use(url, vacuum=args.compact))  # --compact: both layouts measured vacuumed
         result = measure(backend, args, server, written)
         if args.compact:
             compacted = compact(url)
@@ -329,6 +329,16 @@ _PG_TABLES_SQL = (  # PostgreSQL: the schema's tables with their indexes and TOA
 )
 
 
+_SQLITE_PER_TABLE = (  # each table with its indexes (SQLite's autoindexes and ours are named after it)
+    "SELECT coalesce(m.tbl_name, d.name), sum(d.pgsize) FROM dbstat d "
+    "LEFT JOIN sqlite_schema m ON m.name = d.name GROUP BY 1"
+)
+_PG_PER_TABLE = (
+    "SELECT c.relname, pg_total_relation_size(c.oid) FROM pg_class c "
+    "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = current_schema() AND c.relkind = 'r'"
+)
+
+
 def disk_use(url: str, vacuum: bool = False) -> dict[str, Any]:
     """The database's size on disk over the values it holds, as rows and in blocks (issue 17: indexes and
     rollups included); with `vacuum`, after giving deleted rows' space back (SQLite VACUUM, PostgreSQL
@@ -357,6 +367,11 @@ def disk_use(url: str, vacuum: bool = False) -> dict[str, Any]:
             )
             rows = int(conn.execute(select(func.count()).select_from(Point)).scalar_one())
             held = int(conn.execute(select(func.coalesce(func.sum(ValueBlock.n_values), 0))).scalar_one())
+            per_table = dict(
+                conn.execute(
+                    text(_SQLITE_PER_TABLE if engine.dialect.name == "sqlite" else _PG_PER_TABLE)
+                ).all()
+            )
     finally:
         engine.dispose()
     values = rows + held
@@ -365,7 +380,13 @@ def disk_use(url: str, vacuum: bool = False) -> dict[str, Any]:
         f"{size / max(1, values):.2f} bytes a value; its tables and indexes {tables / max(1, values):.2f}",
         flush=True,
     )
+    biggest = sorted(per_table.items(), key=lambda kv: -kv[1])[:6]
+    print(
+        "  by table (bytes a value): " + ", ".join(f"{t} {b / max(1, values):.2f}" for t, b in biggest),
+        flush=True,
+    )
     return {
+        "per_table_bytes": per_table,
         "table_bytes_per_value": tables / max(1, values),
         "database_bytes": size,
         "values_stored": values,

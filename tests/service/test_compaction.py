@@ -68,6 +68,13 @@ def _json(x: float) -> Any:
     return x
 
 
+def _value(x: Any) -> float:
+    """A JSON value of a batch as the float it stands for."""
+    return (
+        {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}.get(x, x) if isinstance(x, str) else x
+    )
+
+
 def _batch(rank: int, steps: range, session: str, seq: int, incarnation: int = 1) -> dict[str, Any]:
     tensor_steps = [s for s in steps if s % 10 == 0]
     return {
@@ -190,6 +197,20 @@ def test_compacted_values_read_back_bit_for_bit_in_every_view(
     assert _views(collector) == views_before
     run = collector.get("/api/v1/runs/compact")
     assert run["compacted_to"] == COMPACTED_TO
+    # And what was sent, bit for bit: rank 0's loss, its restart's values replacing steps 300..330.
+    sent = [x for start in range(0, STEPS, 50) for x in _loss(0, range(start, start + 50))]  # as `_feed` sent
+    sent[RESTART.start : RESTART.stop] = _loss(0, RESTART, incarnation=2)
+    expected = np.array([_value(x) for x in sent if x is not None])
+    if engine.dialect.name == "sqlite":  # SQLite keeps an integral REAL as an integer: -0.0 was 0 as a row
+        expected[72] = 0.0
+    with engine.connect() as conn:
+        sid = conn.execute(select(Series.id).where(Series.name == "loss")).scalar_one()
+    steps, bits = _raw(engine)[(sid, 0)]
+    assert np.array_equal(steps, [s for s in range(STEPS) if s != 80])  # step 80's null was not stored
+    differ = np.flatnonzero(bits != expected.view(np.int64))
+    assert differ.size == 0, [
+        (int(steps[i]), float(bits[i : i + 1].view(np.float64)[0]), expected[i]) for i in differ[:5]
+    ]
 
 
 def test_a_late_value_for_a_compacted_step_is_read_with_its_block_and_rolled_up(

@@ -24,7 +24,7 @@ from tests.service.conftest import Collector, make_batch, steps_batch
 from tests.service.test_auth import _tokens, bearer
 
 WAIT_S = 60.0
-STEPS = 200  # more than one 64-step rollup bucket
+STEPS = 400  # more than one 64-step rollup bucket, and one 256-step block once 128 steps behind
 
 
 @pytest.fixture

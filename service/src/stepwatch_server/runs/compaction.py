@@ -6,12 +6,13 @@ A run's steps are compacted once the rollups hold them (`rollup_marks.rolled_to`
 than `after_steps` behind its newest step (the highest `last_step` of its ranks), whole buckets only,
 so the views that read the newest steps (`/metrics`, a rank's median step time, the step rollups above
 the watermark) and Grafana's PostgreSQL panels keep reading rows. Each transaction moves at most
-`max_values` values (a window of buckets, or of ranks within one bucket; one rank's block at least): it reads the rows, writes
-their blocks (merged with a block already there: a late value re-sent after an interrupted pass),
-deletes the rows and raises the run's `compacted_to`, the highest step a block may hold (what reads
-and roll-ups look at before reading blocks). Reads are whole between any two transactions. A worker
-that starts (or did not finish a bucket for every rank) begins again at the bucket holding
-`compacted_to`, whose rows some ranks may still hold.
+`max_values` values (a window of buckets, or of ranks within one bucket; one rank's block at least):
+it reads the rows, writes their blocks (merged with a block already there: a late value re-sent after
+an interrupted pass), deletes the rows and raises the run's `compacted_to`, the highest step a block
+may hold (what reads and roll-ups look at before reading blocks). Reads are whole between any two
+transactions, and ingest's writes get SQLite's lock between them (BACKLOG_PAUSE_S). A worker that
+starts (or did not finish a bucket for every rank) begins again at the bucket holding `compacted_to`,
+whose rows some ranks may still hold.
 
 A value that arrives later for a compacted step stays a row (reads take rows and blocks together:
 runs/queries.read_values; the rollup worker recomputes such a bucket from both: runs/rollups.py).
@@ -28,6 +29,7 @@ from sqlalchemy import Connection, Engine, bindparam, delete, func, insert, sele
 from stepwatch_server.background import BackgroundWorker
 from stepwatch_server.runs.deletion import DELETE_CHUNK_ROWS
 from stepwatch_server.runs.queries import fetch_chunked
+from stepwatch_server.runs.rollup_worker import BACKLOG_PAUSE_S
 from stepwatch_server.settings import DEFAULT_COMPACT_AFTER_STEPS
 from stepwatch_server.storage import blocks
 from stepwatch_server.storage.chunks import chunk_size, chunks
@@ -46,7 +48,7 @@ _DELETE_POINTS = text(
 
 @dataclass(frozen=True, slots=True)
 class _Due:
-    """A run's buckets first..last (inclusive) are due, over `ranks`, `series` of them named `ids`."""
+    """A run's buckets first..last (inclusive) are due, for its `ranks` and its series `ids`."""
 
     run_id: int
     first: int
@@ -88,6 +90,8 @@ class CompactionWorker(BackgroundWorker):
             for window in self._windows(due):
                 if self._stop.is_set() or (max_transactions is not None and done >= max_transactions):
                     return moved
+                if done:
+                    self._stop.wait(BACKLOG_PAUSE_S)  # ingest's writes get SQLite's lock between two
                 n = self._move(due, *window)
                 moved += n
                 done += 1 if n else 0
