@@ -4,8 +4,9 @@ A run of `--steps` steps x `--ranks` ranks (the issue's target: 100,000 x 512, t
 is written straight into a fresh database with the collector's own bulk insert (`insert_points`),
 each chunk handed to the collector's own rollup worker (`RollupWorker`) as ingest hands it over:
 every rank's loss, grad norm, lr, step/forward/data time and allocated memory on every step, the
-amax of `--modules` modules every 10th step, and every step's timestamp, as the agent would send
-them (`_as_sent`: float32-exact losses, norms and amax, whole bytes of memory, float64 times) (a straggler and a loss spike included, so the pictures have something to show). The page is
+amax of `--modules` modules every 10th step, and every step's end time (each rank's clock advanced by its step time), as the agent would send
+them (`_as_sent`: float32-exact losses, norms and amax, whole bytes of memory, times to the
+microsecond) (a straggler and a loss spike included, so the pictures have something to show). The page is
 timed only once the worker has rolled everything up (`rollup_wait_s`: how long that took after
 the last chunk was written) and the database's size over its values printed (bytes a value, indexes and
 rollups included: issue 17). A real
@@ -77,11 +78,14 @@ def page_calls(run: str) -> tuple[list[str], list[str]]:
 
 def _as_sent(metric: str, v: np.ndarray) -> np.ndarray:
     """Values as the agent sends them: a float32 tensor's `.item()` (loss, gradient norm, amax), allocated
-    bytes / 2**20 (memory), or a float64 difference of clock readings (times, as they come)."""
+    bytes / 2**20 (memory), milliseconds rounded to the microsecond (times: agent/_batch.py), or a
+    float64 as it comes (the learning rate)."""
     if metric in ("loss", "grad_norm", "amax"):
         return v.astype(np.float32).astype(np.float64)
     if metric.startswith("mem."):
         return np.round(v * 2**20) / 2**20
+    if metric.startswith("time."):
+        return np.round(v, 3)
     return v
 
 
@@ -120,7 +124,9 @@ def write_run(database_url: str, steps: int, ranks: int, modules: int) -> dict[s
             for stat, name in names
         }
     rng = np.random.default_rng(0)
-    t0 = 1_764_427_200.0
+    # Each rank's clock: a step ends its step time after the one before (so the stored end times are as
+    # irregular as a real run's, not a straight line the codec would find too easy).
+    clock = np.full(ranks, 1_764_427_200.0)
     for lo in range(1, steps + 1, WRITE_STEPS):
         s = np.arange(lo, min(steps, lo + WRITE_STEPS - 1) + 1, dtype=np.int64)
         n = s.shape[0]
@@ -142,6 +148,9 @@ def write_run(database_url: str, steps: int, ranks: int, modules: int) -> dict[s
                     if metric == "time.forward_ms" and r == ranks // 3:
                         v = v * np.where(s >= steps // 4, 1.3, 1.0)  # the straggler
                     v = _as_sent(metric, v)
+                    if metric == "time.step_ms":
+                        ends = clock[r] + np.cumsum(v) / 1000.0
+                        clock[r] = ends[-1]
                     rows.extend(zip([ids[metric]] * n, [r] * n, s.tolist(), [1] * n, v.tolist(), strict=True))
                 for i in range(modules):
                     v = _as_sent("amax", (10.0 + i) * (1.0 + 0.05 * rng.standard_normal(amax_steps.shape[0])))
@@ -155,8 +164,8 @@ def write_run(database_url: str, steps: int, ranks: int, modules: int) -> dict[s
                 conn.execute(
                     insert(StepRecord),
                     [
-                        {"run_id": run_id, "rank": r, "step": int(x), "incarnation": 1, "ts": t0 + 0.4 * x}
-                        for x in s
+                        {"run_id": run_id, "rank": r, "step": int(x), "incarnation": 1, "ts": t}
+                        for x, t in zip(s.tolist(), np.round(ends, 6).tolist(), strict=True)
                     ],
                 )
         worker.submit(run_id, lo, int(s[-1]))

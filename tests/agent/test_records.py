@@ -7,6 +7,7 @@ import time
 import weakref
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -36,11 +37,14 @@ def test_200_steps_arrive_with_every_metric(receiver: Receiver, fast: dict[str, 
     for step in range(1, 201):
         rec = records[step]
         assert rec["loss"] == pytest.approx(losses[step - 1], rel=1e-6), step  # found in the output dict
-        assert rec["grad_norm"] > 0 and rec["grad_sumsq"] == pytest.approx(rec["grad_norm"] ** 2)
+        assert rec["grad_norm"] > 0 and rec["grad_sumsq"] == pytest.approx(rec["grad_norm"] ** 2, rel=1e-7)
+        assert rec["grad_sumsq"] == float(np.float32(rec["grad_sumsq"]))  # float32, like the norm it squares
         assert rec["lr"] == 0.01
         assert all(isinstance(rec[t], float) and rec[t] >= 0 for t in TIMINGS), rec
+        assert all(rec[t] == round(rec[t], 3) for t in TIMINGS), rec  # milliseconds to the microsecond
         assert rec["nonfinite.loss"] == rec["nonfinite.grads"] == rec["nonfinite.activations"] == 0
     assert any(rec.get("mem.rss_mb") for rec in records.values())
+    assert len({rec["time.step_ms"] for rec in records.values()}) > 1  # rounded, not flattened
 
     tensor_steps = [s for b in batches if "tensors" in b for s in b["tensors"]["steps"]]
     assert tensor_steps == list(range(10, 201, 10))

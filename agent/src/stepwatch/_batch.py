@@ -6,6 +6,7 @@ import gzip
 import json
 import math
 import os
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,22 @@ MASK64 = 2**64 - 1
 _PAGE_MB = os.sysconf("SC_PAGE_SIZE") / 2**20 if hasattr(os, "sysconf") else 4096 / 2**20
 
 Value = float | str | None
+# Phase timings go out in milliseconds rounded to the microsecond (docs/ingest.md): the digits below are
+# clock noise, and a rounded value is short in JSON and stored in ~2 bytes instead of ~7 (the collector's
+# block codec keeps decimals as integers: issue 17).
+TIME_DECIMALS = 3
+TS_DECIMALS = 6  # step end times (Unix seconds) to the microsecond, for the same reason
+TIMES = ("time.step_ms", "time.forward_ms", "time.backward_ms", "time.optimizer_ms", "time.data_ms")
+_F32 = struct.Struct("<f")
+
+
+def float32(x: float) -> float:
+    """`x` rounded to the nearest float32 (as a device reduction would hold it); `x` itself beyond float32's
+    range."""
+    try:
+        return _F32.unpack(_F32.pack(x))[0]
+    except OverflowError:
+        return x
 
 
 def num(v: float | None) -> Value:
@@ -100,6 +117,10 @@ class Decoder:
                 m["mem.capacity_mb"] = capacity
             if rec.marks is not None:
                 _cuda_times(rec, m)
+            for key in TIMES:
+                t = m.get(key)
+                if t is not None:
+                    m[key] = round(t, TIME_DECIMALS)
             k = rec.offset
             if rec.hook_names:
                 m.update(zip(rec.hook_names, values[k : k + len(rec.hook_names)], strict=True))
@@ -110,7 +131,8 @@ class Decoder:
             if gn is not None and "grad_sumsq" not in m:
                 # This rank's (shard's) own sum of squares, before any override (the hook sends its own
                 # when replicated parameters count 1/copies: _layout.py).
-                m["grad_sumsq"] = gn * gn
+                # Rounded to float32, the precision of the norm it squares (stored in 4 bytes, not 8).
+                m["grad_sumsq"] = float32(gn * gn)
             if rec.log_names:
                 m.update(zip(rec.log_names, values[k : k + len(rec.log_names)], strict=True))
                 k += len(rec.log_names)
@@ -183,7 +205,7 @@ def build(
     """
     batch = dict(head)
     batch["steps"] = [r.step for r in rows]
-    batch["timestamps"] = [r.ts for r in rows]
+    batch["timestamps"] = [round(r.ts, TS_DECIMALS) for r in rows]
     names: dict[str, None] = {}
     metrics = [r.metrics for r in rows]
     for m in metrics:

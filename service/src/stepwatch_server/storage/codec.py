@@ -6,17 +6,23 @@ A block is `steps` (int64, strictly increasing, >= 0), `series` (int64 ids, one 
 (float64, series x steps) with `present` (bool, same shape): a value not measured at a step (null in the
 batch) is absent, which is not the same as a NaN that was measured. Encoded:
 
-    zstd( VERSION | n_steps | n_series | steps | series | presence | modes | planes )
+    zstd( VERSION | n_steps | n_series | steps | series | presence | modes | scales | planes )
 
 - steps: the first, then each gap minus one, as unsigned LEB128 varints (consecutive steps: zero bytes);
 - series: the first id, then zigzag deltas, varints;
 - presence: one byte, 0 when every value is present, else 1 and the bitmap (`np.packbits`, row major);
-- values, row by row, only the present ones: a row whose every value survives a round trip through
-  float32 bit for bit (the agent's losses, norms and amax are float32 tensors' `.item()`) keeps 4 bytes
-  a value, the others 8 (mode byte 4 or 8 per row). Each value is XORed with the previous one of its
-  row (Gorilla's idea: a repeated or close value leaves mostly zero bits), and the XORed words of all
-  rows of one width are split into byte planes (all first bytes, then all second bytes, ...), so that
-  the sign, exponent and high mantissa bytes, nearly constant, sit together for zstd.
+- values, row by row, only the present ones, each row in the cheapest of three forms:
+  - float32: every value survives a round trip through float32 bit for bit (the agent's losses, norms and
+    amax are float32 tensors' `.item()`): 4 bytes a value;
+  - decimal: every value is k / 10**d for one d <= MAX_DECIMALS, bit for bit as decoded (the agent's
+    timings, milliseconds rounded to the microsecond; whole numbers with d = 0): the integers k, 8 bytes;
+  - float64: anything else, 8 bytes.
+  The mode byte of a row holds its width (4 or 8) and transform; its scale byte d + 1 for a decimal row,
+  else 0 (version 1 has no scale bytes and no decimal rows; it is still decoded). Each word is XORed
+  with the previous one of its row (Gorilla's idea: a repeated or close value leaves mostly zero bits)
+  or differenced once or twice (zigzagged), whichever leaves the row fewest significant bytes, and the
+  words of one form are split into byte planes (all first bytes, then all second bytes, ...), so that
+  the nearly constant high bytes sit together for zstd.
 
 Everything is one zstd frame (level `LEVEL`). Decoding inverts each step; a block that does not parse
 raises `CorruptBlock` naming what is wrong.
@@ -30,7 +36,9 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-VERSION = 1
+VERSION = 2  # 1: no decimal rows (no scale bytes); still decoded
+VERSIONS = (1, 2)
+MAX_DECIMALS = 6  # a decimal row's values are k / 10**d, d <= 6 (microseconds of a time in seconds)
 LEVEL = 3  # zstd: ~same ratio as 9 on these planes at a fraction of the CPU
 _U64 = np.uint64
 _ZSTD = threading.local()  # zstandard's (de)compressor objects are not thread-safe: one pair per thread
@@ -204,6 +212,47 @@ def _unplanes(raw: np.ndarray, count: int, dtype: type[np.unsignedinteger]) -> n
 
 
 # -- the block ----------------------------------------------------------------------------------------
+def _best(words: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows laid end to end (`lengths`), each coded with the transform that leaves it the fewest significant
+    bytes: (the coded words, each row's transform, each row's cost in significant bytes)."""
+    starts = _starts(lengths)
+    coded = [_forward(words, starts, t) for t in (XOR, DELTA, DELTA2)]
+    if not words.size:
+        zeros = np.zeros(lengths.size, dtype=np.int64)
+        return words, zeros.astype(np.uint8), zeros
+    owner = np.repeat(np.arange(lengths.size), lengths)
+    costs = np.stack([np.bincount(owner, _sig_bytes(c), minlength=lengths.size) for c in coded])
+    best = np.argmin(costs, axis=0)
+    return np.choose(best[owner], coded), best.astype(np.uint8), costs[best, np.arange(lengths.size)]
+
+
+def _decimals(
+    flat: np.ndarray, bits: np.ndarray, row_of: np.ndarray, per_row: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's smallest d (0..MAX_DECIMALS) for which every value is k / 10**d bit for bit, stored d + 1
+    (0: none), and the integers k of the rows that have one (0 elsewhere)."""
+    m = per_row.size
+    scale = np.zeros(m, dtype=np.uint8)
+    ints = np.zeros(flat.size, dtype=np.int64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for d in range(MAX_DECIMALS + 1):
+            todo = (scale == 0) & (per_row > 0)
+            if not todo.any():
+                break
+            power = 10.0**d
+            scaled = flat * power
+            k = np.rint(scaled)
+            ok = np.abs(scaled) < 2.0**53  # NaN and Inf fail here
+            k_int = np.where(ok, k, 0.0).astype(np.int64)
+            ok &= (k_int / power).view(_U64) == bits  # as decoded: -0.0 fails (the integer 0 is +0.0)
+            good = todo & (np.bincount(row_of, ~ok, minlength=m) == 0)
+            if good.any():
+                scale[good] = d + 1
+                at = good[row_of]
+                ints[at] = k_int[at]
+    return scale, ints
+
+
 def encode(block: Block) -> bytes:
     """The block's bytes (module docstring)."""
     m, n = block.values.shape
@@ -228,23 +277,30 @@ def encode(block: Block) -> bytes:
     row_of = np.repeat(np.arange(m), per_row)
     wide_rows = np.zeros(m, dtype=bool)
     np.logical_or.at(wide_rows, row_of, ~exact)
+    # A row is written as floats (4 or 8 bytes) or as decimal integers, whichever costs it less.
+    scale, ints = _decimals(flat, bits, row_of, per_row)
+    float_cost = np.zeros(m, dtype=np.int64)
+    float_cost[~wide_rows] = _best(narrow.view(np.uint32)[~wide_rows[row_of]], per_row[~wide_rows])[2]
+    float_cost[wide_rows] = _best(bits[wide_rows[row_of]], per_row[wide_rows])[2]
+    decimal_cost = np.full(m, np.iinfo(np.int64).max)
+    decimal_cost[scale > 0] = _best(ints.view(_U64)[(scale > 0)[row_of]], per_row[scale > 0])[2]
+    decimal_rows = (scale > 0) & (decimal_cost < float_cost)
+    scale[~decimal_rows] = 0
+    wide_rows &= ~decimal_rows
+    narrow_rows = ~wide_rows & ~decimal_rows
     transforms = np.zeros(m, dtype=np.uint8)
     planes = []
-    for words, rows in ((narrow.view(np.uint32), ~wide_rows), (bits, wide_rows)):
-        chosen = words[rows[row_of]]
-        lengths = np.where(rows, per_row, 0)[rows]
-        starts = _starts(lengths)
-        coded = [_forward(chosen, starts, t) for t in (XOR, DELTA, DELTA2)]
-        if chosen.size:  # each row takes the transform that leaves it the fewest significant bytes
-            owner = np.repeat(np.arange(lengths.size), lengths)
-            costs = np.stack([np.bincount(owner, _sig_bytes(c), minlength=lengths.size) for c in coded])
-            best = np.argmin(costs, axis=0)
-            transforms[np.flatnonzero(rows)] = best
-            out = np.choose(best[owner], coded) if coded[0].size else coded[0]
-        else:
-            out = chosen
+    for words, rows in (
+        (narrow.view(np.uint32), narrow_rows),
+        (bits, wide_rows),
+        (ints.view(_U64), decimal_rows),
+    ):
+        out, best, _ = _best(words[rows[row_of]], per_row[rows])
+        transforms[rows] = best
         planes.append(_planes(out))
-    parts.append((np.where(wide_rows, 8, 4) | (transforms.astype(np.int64) << 4)).astype(np.uint8).tobytes())
+    width = np.where(narrow_rows, 4, 8)
+    parts.append((width | (transforms.astype(np.int64) << 4)).astype(np.uint8).tobytes())
+    parts.append(scale.tobytes())
     parts += planes
     return _zstd()[0].compress(b"".join(parts))
 
@@ -256,8 +312,9 @@ def decode(data: bytes) -> Block:
     except zstandard.ZstdError as exc:
         raise CorruptBlock(f"block: not a zstd frame ({exc})") from None
     buf = np.frombuffer(raw, dtype=np.uint8)
-    if not buf.size or buf[0] != VERSION:
-        raise CorruptBlock(f"block: version {buf[0] if buf.size else None}, expected {VERSION}")
+    if not buf.size or buf[0] not in VERSIONS:
+        raise CorruptBlock(f"block: version {buf[0] if buf.size else None}, expected one of {VERSIONS}")
+    version = int(buf[0])
     (n, m), pos = _read_varints(buf, 1, 2)
     n, m = int(n), int(m)
     steps = np.zeros(0, dtype=np.int64)
@@ -282,11 +339,23 @@ def decode(data: bytes) -> Block:
         raise CorruptBlock("block: a row's mode is not one this version writes")
     wide_rows, transforms = (modes & 0x0F) == 8, modes >> 4
     pos += m
+    scale = np.zeros(m, dtype=np.uint8)
+    if version >= 2:
+        scale = buf[pos : pos + m]
+        if scale.size < m or np.any(scale > MAX_DECIMALS + 1) or np.any((scale > 0) & ~wide_rows):
+            raise CorruptBlock("block: a row's decimal scale is not one this version writes")
+        pos += m
+    decimal_rows = scale > 0
     per_row = present.sum(axis=1)
     values = np.zeros((m, n), dtype=np.float64)
     flat = np.zeros(int(per_row.sum()), dtype=np.float64)
     row_of = np.repeat(np.arange(m), per_row)
-    for dtype, rows in ((np.uint32, ~wide_rows), (_U64, wide_rows)):
+    classes: tuple[tuple[type[np.unsignedinteger], np.ndarray], ...] = (
+        (np.uint32, ~wide_rows),
+        (_U64, wide_rows & ~decimal_rows),
+        (_U64, decimal_rows),
+    )
+    for kind, (dtype, rows) in enumerate(classes):
         lengths = np.where(rows, per_row, 0)[rows]
         count = int(lengths.sum())
         width = np.dtype(dtype).itemsize
@@ -302,9 +371,13 @@ def decode(data: bytes) -> Block:
                 at = mine[owner]
                 words[at] = _backward(coded[at], _starts(lengths[mine]), t)
         at_rows = rows[row_of]
-        flat[at_rows] = (
-            words.view(np.float32).astype(np.float64) if dtype is np.uint32 else words.view(np.float64)
-        )
+        if kind == 0:
+            flat[at_rows] = words.view(np.float32).astype(np.float64)
+        elif kind == 1:
+            flat[at_rows] = words.view(np.float64)
+        else:  # k / 10**d: the float nearest the decimal, as the encoder checked
+            powers = 10.0 ** (scale[rows].astype(np.int64) - 1)
+            flat[at_rows] = words.view(np.int64) / powers[owner]
     if pos != buf.size:
         raise CorruptBlock(f"block: {buf.size - pos} bytes after its values")
     values[present] = flat
