@@ -28,7 +28,16 @@ from stepwatch_server.runs.deletion import delete_run, find
 from stepwatch_server.runs.expiry import ExpiryWorker
 from stepwatch_server.settings import Settings
 from stepwatch_server.storage import make_engine, upgrade, write_transaction
-from stepwatch_server.storage.models import Point, Rank, RankRollup, RollupMark, Run, Series, ValueBlock
+from stepwatch_server.storage.models import (
+    Point,
+    Rank,
+    RankRollup,
+    RollupMark,
+    Run,
+    Series,
+    StepRecord,
+    ValueBlock,
+)
 from tests.service.conftest import Collector
 
 STEPS = 400
@@ -85,7 +94,7 @@ def _batch(rank: int, steps: range, session: str, seq: int, incarnation: int = 1
         "rank": rank,
         "world_size": 2,
         "steps": list(steps),
-        "timestamps": [T0 + s for s in steps],
+        "timestamps": [T0 + 0.4123456789 * s + rank / 7 for s in steps],  # float64, not short decimals
         "metrics": {
             "loss": _loss(rank, steps, incarnation),
             "lr": [float(np.float32(1e-4 * (1 + s % 7))) for s in steps],  # float32-exact
@@ -157,6 +166,7 @@ def _views(collector: Collector) -> dict[str, Any]:
             "/api/v1/runs/compact/heatmap", metric=metric, mode=mode, buckets=40, from_step=100, to_step=140
         )
     out["late"] = collector.get("/api/v1/runs/compact/heatmap", metric="time.late_ms", buckets=20)
+    out["steps"] = collector.get("/api/v1/runs/compact/steps", **big)  # the step end times
     return out
 
 
@@ -189,6 +199,11 @@ def test_compacted_values_read_back_bit_for_bit_in_every_view(
         in_blocks = conn.execute(select(func.sum(ValueBlock.n_values))).scalar_one()
         blocks = conn.execute(select(func.count()).select_from(ValueBlock)).scalar_one()
     assert compacted_to == COMPACTED_TO and left is None  # every row up to the horizon moved
+    with engine.connect() as conn:  # the step times too
+        assert (
+            conn.execute(select(func.max(StepRecord.step)).where(StepRecord.step <= COMPACTED_TO)).scalar()
+            is None
+        )
     assert moved == in_blocks == rows_before - _count(engine, Point)
     assert blocks == 2  # one block per rank and 256-step bucket (one incarnation each there)
     assert worker.compact_once() == 0  # nothing more is far enough behind
@@ -281,6 +296,33 @@ def test_expiry_and_deletion_remove_the_blocks(
     with engine.connect() as conn:
         delete_run(engine, find(conn, "compact"))
     assert _count(engine, ValueBlock) == 0 and _count(engine, Point) == 0
+
+
+def test_expiry_finds_its_horizon_in_the_step_times_of_the_blocks(
+    start_collector: Callable[..., Collector], engine: Engine
+) -> None:
+    """Steps 0..255 finished 10 days ago and are compacted (their times are in the blocks, no `steps` row
+    is left of them); 256.. within the hour: 5 days' retention expires exactly the blocks."""
+    collector = start_collector(compact_after_steps=0)
+    now = time.time()
+    for rank in range(2):
+        for start in range(0, STEPS, 100):
+            batch = _batch(rank, range(start, start + 100), f"old-rank-{rank}", start)
+            batch["timestamps"] = [
+                (now - 10 * 86_400.0 if s <= COMPACTED_TO else now - 600.0) + s for s in batch["steps"]
+            ]
+            assert collector.post(batch).status_code == 200
+    _rolled_up(engine)
+    CompactionWorker(engine, after_steps=AFTER).compact_once()
+    assert _count(engine, ValueBlock) == 2
+    steps = collector.get("/api/v1/runs/compact/steps", rank="1", max_points=10_000)["series"][0]
+    assert steps["steps"] == list(range(STEPS)) and steps["timestamps"][300] == now - 600.0 + 300
+
+    ExpiryWorker(engine, raw_retention_days=5.0, run_retention_days=None).expire_once(time.time())
+    run = collector.get("/api/v1/runs/compact")
+    assert run["raw_from_step"] == COMPACTED_TO + 1 and _count(engine, ValueBlock) == 0
+    steps = collector.get("/api/v1/runs/compact/steps", rank="1", max_points=10_000)["series"][0]
+    assert steps["steps"] == list(range(COMPACTED_TO + 1, STEPS))
 
 
 def test_values_written_before_compaction_existed_are_converted_with_every_value_kept(

@@ -1,6 +1,6 @@
-"""Compaction: a background worker that moves a run's older values from `points` (one row each) into
-`blocks` (one compressed row per rank, incarnation and 256-step bucket: storage/blocks.py), README "Disk
-use, retention and deleting a run".
+"""Compaction: a background worker that moves a run's older values from `points` (one row each), and
+their steps' end times from `steps`, into `blocks` (one compressed row per rank, incarnation and 256-step
+bucket: storage/blocks.py), README "Disk use, retention and deleting a run".
 
 A run's steps are compacted once the rollups hold them (`rollup_marks.rolled_to`) and they are more
 than `after_steps` behind its newest step (the highest `last_step` of its ranks), whole buckets only,
@@ -24,6 +24,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from sqlalchemy import Connection, Engine, bindparam, delete, func, insert, select, text, update
 
 from stepwatch_server.background import BackgroundWorker
@@ -34,7 +35,16 @@ from stepwatch_server.settings import DEFAULT_COMPACT_AFTER_STEPS
 from stepwatch_server.storage import blocks
 from stepwatch_server.storage.chunks import chunk_size, chunks
 from stepwatch_server.storage.engine import write_transaction
-from stepwatch_server.storage.models import AgentSession, Point, Rank, RollupMark, Run, Series, ValueBlock
+from stepwatch_server.storage.models import (
+    AgentSession,
+    Point,
+    Rank,
+    RollupMark,
+    Run,
+    Series,
+    StepRecord,
+    ValueBlock,
+)
 
 log = logging.getLogger(__name__)
 
@@ -158,10 +168,12 @@ class CompactionWorker(BackgroundWorker):
         with write_transaction(self.db) as conn:
             blocks.lock_run(conn, due.run_id)
             rows = _read_rows(conn, due.ids, ranks, lo, hi)
+            times = _read_step_times(conn, due.run_id, ranks, lo, hi)
             moved = int(rows[0].shape[0])
-            if moved:
+            if moved or times[0].size:
                 held = _held(conn, due.run_id, ranks, first, last)
-                new = blocks.encode_rows(blocks.join([held, rows]))  # a block already there: its values first
+                # A block already there: its values first (a row re-sent later does not replace them).
+                new = blocks.encode_rows(blocks.join([held, rows, times]))
                 conn.execute(
                     delete(ValueBlock).where(
                         ValueBlock.run_id == due.run_id,
@@ -173,6 +185,14 @@ class CompactionWorker(BackgroundWorker):
                 conn.execute(insert(ValueBlock), [{"run_id": due.run_id, **row} for row in new])
                 for part in chunks(due.ids, chunk_size(conn, fixed=len(ranks) + 2)):
                     conn.execute(_DELETE_POINTS, {"ids": list(part), "ranks": ranks, "first": lo, "last": hi})
+                conn.execute(
+                    delete(StepRecord).where(
+                        StepRecord.run_id == due.run_id,
+                        StepRecord.rank.in_(ranks),
+                        StepRecord.step >= lo,
+                        StepRecord.step <= hi,
+                    )
+                )
                 with self._lock:
                     self.values_moved += moved
                     self.blocks_written += len(new)
@@ -201,6 +221,28 @@ def _read_rows(conn: Connection, ids: Sequence[int], ranks: list[int], lo: int, 
         )
 
     return fetch_chunked(conn, ids, query, (0, 1, 2, 3), fixed=len(ranks) + 2)
+
+
+def _read_step_times(conn: Connection, run_id: int, ranks: list[int], lo: int, hi: int) -> blocks.Columns:
+    """The ranks' step end times in steps lo..hi, as columns of series id STEP_TIMES."""
+    found = conn.execute(
+        select(StepRecord.rank, StepRecord.step, StepRecord.incarnation, StepRecord.ts).where(
+            StepRecord.run_id == run_id,
+            StepRecord.rank.in_(ranks),
+            StepRecord.step >= lo,
+            StepRecord.step <= hi,
+        )
+    ).all()
+    if not found:
+        return blocks.empty_columns()
+    rank, step, inc, ts = (np.array(c) for c in zip(*found, strict=True))
+    return [
+        np.full(rank.shape, blocks.STEP_TIMES, dtype=np.int64),
+        rank.astype(np.int64),
+        step.astype(np.int64),
+        inc.astype(np.int64),
+        ts.astype(np.float64),
+    ]
 
 
 def _held(conn: Connection, run_id: int, ranks: list[int], first: int, last: int) -> blocks.Columns:

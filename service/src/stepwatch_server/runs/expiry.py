@@ -4,7 +4,8 @@ retention and deleting a run").
 - `run_retention_days`: a run whose last write (its row's or any rank's `last_seen_at`, the collector's
   clock) is older goes whole (runs/deletion.py).
 - `raw_retention_days`: per run, the last step that one of its ranks (the lowest) finished before the
-  cutoff, by the ranks' own timestamps, and that the rollups hold (`rollup_marks.rolled_to`), is the
+  cutoff, by the ranks' own timestamps (`steps` rows, and the times compacted into blocks: read upwards
+  from the last horizon until one is not older), and that the rollups hold (`rollup_marks.rolled_to`), is the
   run's new `raw_expired_to`; each rank's values (rows, and the compacted blocks wholly up to it), step
   times and fingerprints up to it are deleted in
   windows of steps of at most DELETE_CHUNK_ROWS values, each window with its rank's `stored_values`
@@ -28,6 +29,7 @@ from sqlalchemy import Engine, Table, and_, delete, func, select, update
 from stepwatch_server.background import BackgroundWorker
 from stepwatch_server.runs import queries
 from stepwatch_server.runs.deletion import DELETE_CHUNK_ROWS, RunRow, delete_run
+from stepwatch_server.storage import blocks
 from stepwatch_server.storage.blocks import BLOCK_STEPS
 from stepwatch_server.storage.engine import write_transaction
 from stepwatch_server.storage.models import (
@@ -139,6 +141,9 @@ class ExpiryWorker(BackgroundWorker):
                     StepRecord.ts < cutoff,
                 )
             ).scalar()
+            held = blocks.last_step_before(conn, run_id, ranks[0], low, rolled_to, cutoff)  # compacted times
+            if held is not None:
+                cut = held if cut is None else max(int(cut), held)
             if cut is None:
                 return 0
             series = int(conn.execute(select(func.count()).where(Series.run_id == run_id)).scalar_one())
@@ -152,6 +157,16 @@ class ExpiryWorker(BackgroundWorker):
                         StepRecord.run_id == run_id, StepRecord.rank == rank, StepRecord.step > low
                     )
                 ).scalar()
+                bucket = conn.execute(  # the rank's first block still holding a step above `low`
+                    select(func.min(ValueBlock.bucket)).where(
+                        ValueBlock.run_id == run_id,
+                        ValueBlock.rank == rank,
+                        ValueBlock.bucket >= (low + 1) // BLOCK_STEPS,
+                    )
+                ).scalar()
+                if bucket is not None:
+                    held_from = int(bucket) * BLOCK_STEPS
+                    first = held_from if first is None else min(int(first), held_from)
             start = low if first is None else max(low, int(first) - 1)
             while start < cut and not self._stop.is_set():
                 end = min(int(cut), start + window)

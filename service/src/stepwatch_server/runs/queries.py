@@ -183,7 +183,12 @@ def read_values(
         return q.order_by(Point.series_id, Point.rank, Point.step, Point.incarnation)
 
     rows = fetch_chunked(conn, ids, query, (0, 1, 2, 3), fixed=len(ranks or ()) + 4)  # NULL -> nan
-    held = blocks.read_columns(conn, ids, rank, ranks, from_step, to_step)
+    return _with_blocks(rows, blocks.read_columns(conn, ids, rank, ranks, from_step, to_step))
+
+
+def _with_blocks(rows: blocks.Columns, held: blocks.Columns) -> blocks.Columns:
+    """Rows and block-held columns in one order (series, rank, step, incarnation), the block's last
+    where both hold a key (`read_values`)."""
     if held[0].size == 0:
         return rows
     cols = blocks.join([rows, held])
@@ -250,7 +255,8 @@ def _split_latest(
 def read_steps(
     conn: Connection, run_id: int, rank: int | None, from_step: int | None, to_step: int | None
 ) -> list[RankSeries]:
-    """Each rank's step end times (Unix seconds), latest incarnation per step."""
+    """Each rank's step end times (Unix seconds), latest incarnation per step: the `steps` rows and the
+    times compacted into blocks together."""
     query = select(StepRecord.rank, StepRecord.step, StepRecord.incarnation, StepRecord.ts).where(
         StepRecord.run_id == run_id
     )
@@ -260,14 +266,22 @@ def read_steps(
         query = query.where(StepRecord.step >= from_step)
     if to_step is not None:
         query = query.where(StepRecord.step <= to_step)
-    rows = conn.execute(query.order_by(StepRecord.rank, StepRecord.step, StepRecord.incarnation)).all()
-    if not rows:
+    found = conn.execute(query.order_by(StepRecord.rank, StepRecord.step, StepRecord.incarnation)).all()
+    rows = blocks.empty_columns()
+    if found:
+        rank_col, step_col, inc_col, ts_col = zip(*found, strict=True)
+        n = len(found)
+        rows = [
+            np.full(n, blocks.STEP_TIMES, dtype=np.int64),
+            np.array(rank_col, dtype=np.int64),
+            np.array(step_col, dtype=np.int64),
+            np.array(inc_col, dtype=np.int64),
+            np.array(ts_col, dtype=np.float64),
+        ]
+    cols = _with_blocks(rows, blocks.read_step_times(conn, run_id, rank, from_step, to_step))
+    if cols[0].size == 0:
         return []
-    rank_col, step_col, _inc, ts_col = zip(*rows, strict=True)
-    ranks = np.array(rank_col, dtype=np.int64)
-    return _split_latest(
-        np.zeros_like(ranks), ranks, np.array(step_col, dtype=np.int64), np.array(ts_col, dtype=np.float64)
-    )
+    return _split_latest(cols[0], cols[1], cols[2], cols[4])
 
 
 def num_shards(conn: Connection, run_id: int) -> int:

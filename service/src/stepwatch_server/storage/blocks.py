@@ -2,7 +2,8 @@
 incarnation, as one compressed row (storage/codec.py), the compact form of `points` rows once a run has
 moved on (runs/compaction.py writes them; README "Disk use, retention and deleting a run").
 
-Values are handed around as five numpy columns in `points` order: series id, rank, step, incarnation,
+A block holds its steps' end times too (the `steps` rows' `ts`), as the row of series id STEP_TIMES
+(`read_step_times`, `last_step_before`). Values are handed around as five numpy columns in `points` order: series id, rank, step, incarnation,
 value (`Columns`). `encode_rows` turns such columns into block rows; `read_columns` reads a range of
 a run's blocks back into columns, keeping only the series and steps asked for. A run whose
 `compacted_to` is NULL or below the range has no block there, and costs one small query.
@@ -26,6 +27,10 @@ from stepwatch_server.storage.models import Run, ValueBlock
 BLOCK_STEPS = 256
 
 Columns = list[np.ndarray]  # [series_id, rank, step, incarnation] int64, [value] float64
+
+# A block also holds its steps' end times (the `steps` table's `ts`, Unix seconds), as the row of this series
+# id, which no `series` row has (ids start at 1). They are not values: `n_values` leaves them out.
+STEP_TIMES = 0
 
 
 def empty_columns() -> Columns:
@@ -82,7 +87,7 @@ def encode_rows(cols: Columns) -> list[dict[str, Any]]:
                 "rank": int(rank[i]),
                 "bucket": int(bucket[i]),
                 "incarnation": int(inc[i]),
-                "n_values": int(b - a),
+                "n_values": int(np.count_nonzero(sid[at] != STEP_TIMES)),
                 "data": encode(Block(steps, series, values, present)),
             }
         )
@@ -131,30 +136,100 @@ def read_columns(
         return empty_columns()
     lo = 0 if first is None else max(0, first)
     runs = {r: c for r, c in compacted_runs(conn, ids).items() if c >= lo}
-    if not runs:
-        return empty_columns()
     wanted = np.asarray(sorted(ids), dtype=np.int64)
+    return join(
+        [_run_columns(conn, run_id, c, wanted, rank, ranks, first, last) for run_id, c in runs.items()]
+    )
+
+
+def read_step_times(
+    conn: Connection, run_id: int, rank: int | None, first: int | None, last: int | None
+) -> Columns:
+    """The block-held step end times of run `run_id` (of rank `rank`, or all) in steps first..last, all
+    incarnations, unordered; series id STEP_TIMES."""
+    top = compacted_to(conn, run_id)
+    if top is None or top < (0 if first is None else first):
+        return empty_columns()
+    return _run_columns(conn, run_id, top, np.array([STEP_TIMES]), rank, None, first, last)
+
+
+def _run_columns(
+    conn: Connection,
+    run_id: int,
+    top: int,
+    wanted: np.ndarray,
+    rank: int | None,
+    ranks: Sequence[int] | None,
+    first: int | None,
+    last: int | None,
+) -> Columns:
+    """Series `wanted` (sorted ids) of run `run_id`'s blocks over steps first..last (up to `top`, its
+    compacted_to)."""
+    lo = 0 if first is None else max(0, first)
+    hi = top if last is None else min(last, top)
+    q = select(ValueBlock.rank, ValueBlock.incarnation, ValueBlock.data).where(
+        ValueBlock.run_id == run_id,
+        ValueBlock.bucket >= lo // BLOCK_STEPS,
+        ValueBlock.bucket <= hi // BLOCK_STEPS,
+    )
+    if rank is not None:
+        q = q.where(ValueBlock.rank == rank)
+    elif ranks is not None:
+        q = q.where(ValueBlock.rank.in_(list(ranks)))
     parts = []
-    for run_id, compacted_to in runs.items():
-        hi = compacted_to if last is None else min(last, compacted_to)
-        q = select(ValueBlock.rank, ValueBlock.incarnation, ValueBlock.data).where(
-            ValueBlock.run_id == run_id,
-            ValueBlock.bucket >= lo // BLOCK_STEPS,
-            ValueBlock.bucket <= hi // BLOCK_STEPS,
-        )
-        if rank is not None:
-            q = q.where(ValueBlock.rank == rank)
-        elif ranks is not None:
-            q = q.where(ValueBlock.rank.in_(list(ranks)))
-        for block_rank, incarnation, data in conn.execute(q):
-            cols = decode_row(int(block_rank), int(incarnation), bytes(data))
-            keep = np.isin(cols[0], wanted)
-            if first is not None:
-                keep &= cols[2] >= first
-            if last is not None:
-                keep &= cols[2] <= last
-            parts.append([c[keep] for c in cols])
+    for block_rank, incarnation, data in conn.execute(q):
+        cols = decode_row(int(block_rank), int(incarnation), bytes(data))
+        keep = np.isin(cols[0], wanted)
+        if first is not None:
+            keep &= cols[2] >= first
+        if last is not None:
+            keep &= cols[2] <= last
+        parts.append([c[keep] for c in cols])
     return join(parts)
+
+
+SCAN_BLOCKS = 64  # blocks a query reads when a rank's blocks are scanned in step order
+
+
+def last_step_before(
+    conn: Connection, run_id: int, rank: int, after: int, up_to: int, cutoff: float
+) -> int | None:
+    """The highest step of rank `rank` in after+1..up_to whose block-held end time is before `cutoff`
+    (expiry's horizon), None if none is. Buckets are read upwards and the scan stops at the first time at
+    or after the cutoff: times grow with steps, and stopping early can only keep more."""
+    top = compacted_to(conn, run_id)
+    if top is None or top <= after:
+        return None
+    hi = min(up_to, top)
+    found: int | None = None
+    bucket = max(0, after + 1) // BLOCK_STEPS
+    while bucket <= hi // BLOCK_STEPS:
+        page = conn.execute(
+            select(ValueBlock.bucket, ValueBlock.incarnation, ValueBlock.data)
+            .where(
+                ValueBlock.run_id == run_id,
+                ValueBlock.rank == rank,
+                ValueBlock.bucket >= bucket,
+                ValueBlock.bucket <= hi // BLOCK_STEPS,
+            )
+            .order_by(ValueBlock.bucket, ValueBlock.incarnation)
+            .limit(SCAN_BLOCKS)
+        ).all()
+        if not page:
+            break
+        for _, incarnation, data in page:
+            sid, _, step, _, ts = decode_row(rank, int(incarnation), bytes(data))
+            at = (sid == STEP_TIMES) & (step > after) & (step <= hi)
+            order = np.argsort(step[at], kind="stable")
+            step, ts = step[at][order], ts[at][order]
+            late = np.flatnonzero(~(ts < cutoff))  # a NaN time counts as late
+            before = step if not late.size else step[: late[0]]
+            if before.size:
+                found = max(-1 if found is None else found, int(before[-1]))
+            if late.size:
+                return found
+        bucket = int(page[-1][0]) + 1
+    return found
 
 
 _LOCK_KEY = -2  # PostgreSQL advisory lock (run_id, -2): moving a run's values (ingest's names use -1)
