@@ -56,7 +56,8 @@ TARGET_S = 2.0
 REQUEST_TIMEOUT_S = 600.0
 PROGRESS_EVERY_S = 30.0
 AMAX_EVERY = 10
-WRITE_STEPS = 2000  # steps per written chunk (one transaction per rank and chunk)
+WRITE_STEPS = 2000  # steps per written chunk (one transaction per rank and chunk) ...
+PACED_CHUNK_S = 2.0  # ... or, with --steps-per-s, the steps of this long (the agent's default flush interval)
 METRICS = ("loss", "grad_norm", "lr", "time.step_ms", "time.forward_ms", "time.data_ms", "mem.allocated_mb")
 MAX_POINTS = 1600  # as web/src/run.js asks
 BUCKETS = 240
@@ -89,8 +90,12 @@ def _as_sent(metric: str, v: np.ndarray) -> np.ndarray:
     return v
 
 
-def write_run(database_url: str, steps: int, ranks: int, modules: int) -> dict[str, Any]:
-    """The run's rows, written with the collector's bulk insert; returns counts and the time taken."""
+def write_run(
+    database_url: str, steps: int, ranks: int, modules: int, steps_per_s: float | None = None
+) -> dict[str, Any]:
+    """The run's rows, written with the collector's bulk insert; returns counts and the time taken.
+    `steps_per_s`: written at that pace, 2 s of steps at a time, as a live run's ranks send them (None:
+    as fast as the database takes them)."""
     from sqlalchemy import insert, select
 
     from stepwatch_server.ingest.store import insert_points
@@ -127,8 +132,10 @@ def write_run(database_url: str, steps: int, ranks: int, modules: int) -> dict[s
     # Each rank's clock: a step ends its step time after the one before (so the stored end times are as
     # irregular as a real run's, not a straight line the codec would find too easy).
     clock = np.full(ranks, 1_764_427_200.0)
-    for lo in range(1, steps + 1, WRITE_STEPS):
-        s = np.arange(lo, min(steps, lo + WRITE_STEPS - 1) + 1, dtype=np.int64)
+    chunk = WRITE_STEPS if steps_per_s is None else max(1, round(steps_per_s * PACED_CHUNK_S))
+    shown = time.perf_counter()
+    for lo in range(1, steps + 1, chunk):
+        s = np.arange(lo, min(steps, lo + chunk - 1) + 1, dtype=np.int64)
         n = s.shape[0]
         base = {
             "loss": 2.0 + 8.0 / np.sqrt(s) + np.where((s >= steps // 2) & (s < steps // 2 + 30), 3.0, 0.0),
@@ -169,10 +176,17 @@ def write_run(database_url: str, steps: int, ranks: int, modules: int) -> dict[s
                     ],
                 )
         worker.submit(run_id, lo, int(s[-1]))
-        print(
-            f"  written steps {lo}-{int(s[-1])} ({points:,} values, {time.perf_counter() - started:.0f} s)",
-            flush=True,
-        )
+        if steps_per_s is not None and s[-1] < steps:  # the next chunk is sent when its steps have run
+            time.sleep(max(0.0, started + int(s[-1]) / steps_per_s - time.perf_counter()))
+        if steps_per_s is None or time.perf_counter() - shown > PROGRESS_EVERY_S or s[-1] == steps:
+            shown = time.perf_counter()
+            with engine.connect() as conn:
+                mark = conn.execute(select(RollupMark.rolled_to).where(RollupMark.run_id == run_id)).scalar()
+            print(
+                f"  written steps {lo}-{int(s[-1])} ({points:,} values, {shown - started:.0f} s;"
+                f" rolled up to step {mark if mark is not None else '-'})",
+                flush=True,
+            )
     write_s = time.perf_counter() - started
     # The worker rolls up while the writes go on, and catches up after them: wait for it, showing its
     # watermark, for as long as it keeps moving (a stalled worker fails the benchmark).
@@ -290,7 +304,7 @@ def bench(backend: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             written: dict[str, Any] = {**before, "migrate_s": migrated_s}
         else:
             print(f"{backend}: writing {args.steps:,} steps x {args.ranks} ranks", flush=True)
-            written = write_run(url, args.steps, args.ranks, args.modules)
+            written = write_run(url, args.steps, args.ranks, args.modules, args.steps_per_s)
         written.update(disk_use(url, vacuum=args.compact))  # --compact: both layouts measured vacuumed
         result = measure(backend, args, server, written)
         if args.compact:
@@ -450,6 +464,13 @@ def main() -> int:
         "--compact",
         action="store_true",
         help="then compact the run (runs/compaction.py) and measure the disk use and the page again, side by side",
+    )
+    parser.add_argument(
+        "--steps-per-s",
+        type=float,
+        default=None,
+        help="write the run at this pace (2 s of steps at a time, as ranks send them), to measure the rollup lag"
+        " of a live run; default: as fast as the database takes the rows",
     )
     parser.add_argument(
         "--sqlite-file",
