@@ -24,8 +24,8 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 from sqlalchemy import Connection, Engine, bindparam, delete, func, insert, select, text, update
+from sqlalchemy.sql.elements import ColumnElement
 
 from stepwatch_server.background import BackgroundWorker
 from stepwatch_server.runs.deletion import DELETE_CHUNK_ROWS
@@ -185,14 +185,7 @@ class CompactionWorker(BackgroundWorker):
                 conn.execute(insert(ValueBlock), [{"run_id": due.run_id, **row} for row in new])
                 for part in chunks(due.ids, chunk_size(conn, fixed=len(ranks) + 2)):
                     conn.execute(_DELETE_POINTS, {"ids": list(part), "ranks": ranks, "first": lo, "last": hi})
-                conn.execute(
-                    delete(StepRecord).where(
-                        StepRecord.run_id == due.run_id,
-                        StepRecord.rank.in_(ranks),
-                        StepRecord.step >= lo,
-                        StepRecord.step <= hi,
-                    )
-                )
+                conn.execute(delete(StepRecord).where(*_step_window(due.run_id, ranks, lo, hi)))
                 with self._lock:
                     self.values_moved += moved
                     self.blocks_written += len(new)
@@ -225,24 +218,18 @@ def _read_rows(conn: Connection, ids: Sequence[int], ranks: list[int], lo: int, 
 
 def _read_step_times(conn: Connection, run_id: int, ranks: list[int], lo: int, hi: int) -> blocks.Columns:
     """The ranks' step end times in steps lo..hi, as columns of series id STEP_TIMES."""
-    found = conn.execute(
-        select(StepRecord.rank, StepRecord.step, StepRecord.incarnation, StepRecord.ts).where(
-            StepRecord.run_id == run_id,
-            StepRecord.rank.in_(ranks),
-            StepRecord.step >= lo,
-            StepRecord.step <= hi,
-        )
-    ).all()
-    if not found:
-        return blocks.empty_columns()
-    rank, step, inc, ts = (np.array(c) for c in zip(*found, strict=True))
-    return [
-        np.full(rank.shape, blocks.STEP_TIMES, dtype=np.int64),
-        rank.astype(np.int64),
-        step.astype(np.int64),
-        inc.astype(np.int64),
-        ts.astype(np.float64),
-    ]
+    q = select(StepRecord.rank, StepRecord.step, StepRecord.incarnation, StepRecord.ts)
+    return blocks.step_time_columns(conn.execute(q.where(*_step_window(run_id, ranks, lo, hi))).all())
+
+
+def _step_window(run_id: int, ranks: list[int], lo: int, hi: int) -> tuple[ColumnElement[bool], ...]:
+    """The `steps` rows of the ranks in steps lo..hi (read, then deleted, by one move)."""
+    return (
+        StepRecord.run_id == run_id,
+        StepRecord.rank.in_(ranks),
+        StepRecord.step >= lo,
+        StepRecord.step <= hi,
+    )
 
 
 def _held(conn: Connection, run_id: int, ranks: list[int], first: int, last: int) -> blocks.Columns:

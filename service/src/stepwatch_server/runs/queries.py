@@ -267,17 +267,7 @@ def read_steps(
     if to_step is not None:
         query = query.where(StepRecord.step <= to_step)
     found = conn.execute(query.order_by(StepRecord.rank, StepRecord.step, StepRecord.incarnation)).all()
-    rows = blocks.empty_columns()
-    if found:
-        rank_col, step_col, inc_col, ts_col = zip(*found, strict=True)
-        n = len(found)
-        rows = [
-            np.full(n, blocks.STEP_TIMES, dtype=np.int64),
-            np.array(rank_col, dtype=np.int64),
-            np.array(step_col, dtype=np.int64),
-            np.array(inc_col, dtype=np.int64),
-            np.array(ts_col, dtype=np.float64),
-        ]
+    rows = blocks.step_time_columns(found)
     cols = _with_blocks(rows, blocks.read_step_times(conn, run_id, rank, from_step, to_step))
     if cols[0].size == 0:
         return []

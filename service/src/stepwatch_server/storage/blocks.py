@@ -3,8 +3,8 @@ incarnation, as one compressed row (storage/codec.py), the compact form of `poin
 moved on (runs/compaction.py writes them; README "Disk use, retention and deleting a run").
 
 A block holds its steps' end times too (the `steps` rows' `ts`), as the row of series id STEP_TIMES
-(`read_step_times`, `last_step_before`). Values are handed around as five numpy columns in `points` order: series id, rank, step, incarnation,
-value (`Columns`). `encode_rows` turns such columns into block rows; `read_columns` reads a range of
+(`step_time_columns`, `read_step_times`, `last_step_before`). Values are handed around as five numpy
+columns in `points` order: series id, rank, step, incarnation, value (`Columns`). `encode_rows` turns such columns into block rows; `read_columns` reads a range of
 a run's blocks back into columns, keeping only the series and steps asked for. A run whose
 `compacted_to` is NULL or below the range has no block there, and costs one small query.
 """
@@ -140,6 +140,20 @@ def read_columns(
     return join(
         [_run_columns(conn, run_id, c, wanted, rank, ranks, first, last) for run_id, c in runs.items()]
     )
+
+
+def step_time_columns(found: Sequence[Sequence[Any]]) -> Columns:
+    """`steps` rows (rank, step, incarnation, ts) as columns of series id STEP_TIMES."""
+    if not found:
+        return empty_columns()
+    rank, step, inc, ts = zip(*found, strict=True)
+    return [
+        np.full(len(found), STEP_TIMES, dtype=np.int64),
+        np.array(rank, dtype=np.int64),
+        np.array(step, dtype=np.int64),
+        np.array(inc, dtype=np.int64),
+        np.array(ts, dtype=np.float64),
+    ]
 
 
 def read_step_times(
