@@ -1,34 +1,60 @@
-"""GPU check: the agent adds no host-device sync to a CUDA training loop, and what it costs there.
+"""GPU check: the agent adds no host-device sync to a CUDA training loop, in the stacks users run, and what
+it costs there.
 
-A small decoder-style transformer (pre-norm blocks, causal SDPA, bf16 autocast, fused AdamW) trains
-on random data, twice interleaved: bare, and with `stepwatch.attach(...)` at default
-settings shipping to a receiver on loopback. The whole loop runs under
-`torch.cuda.set_sync_debug_mode("error")`, so any synchronising call (`.item()`, `bool(t)`,
-`.cpu()`, `nonzero`, a blocking host-to-device copy, ...) raises; only the first `--setup-steps`
-steps (lazy set-up) run before the mode is switched on. The bare loop runs under the same mode: if it raises, the loop itself syncs and the check says so rather than blaming the agent. The
-agent never lets an exception reach the loop, so its own report is read too: any internal error it
-logged or counted fails the check.
+A small decoder-style transformer (pre-norm blocks, causal SDPA, bf16, fused AdamW) trains on random data
+in each of these stacks, one child process per stack:
 
-Step times come from CUDA events recorded at every step boundary and read only after the loop
-(nothing in the loop waits for the GPU): in steady state the interval between two boundaries is the
-step's throughput time, and it grows if the host (the agent included) cannot keep the GPU fed.
+    plain           eager, bf16 autocast
+    fsdp2           FSDP2 (`fully_shard` on each block and the root) over a 1-GPU mesh (NCCL, world size
+                    1), bf16 parameters through `MixedPrecisionPolicy`, fp32 reduction
+    compile         each block compiled in place (`block.compile()`, inductor), bf16 autocast
+    fsdp2+compile   blocks compiled, then sharded as in fsdp2 (torchtitan's order)
 
-    python bench/gpu_check.py [--steps 400] [--block 50]
+Each child holds two copies of the model, bare and with `stepwatch.attach(...)` at default settings
+shipping to a receiver on loopback (the real collector when importable, else a stub answering 200).
 
-Exits 0 when the agent ran sync-free with no internal error, 1 when it did not, 2 without CUDA.
+1. Sync check and step time. After `--setup-steps` steps per copy (lazy set-up, compilation), the copies
+   take turns in blocks of `--block` steps under `torch.cuda.set_sync_debug_mode("warn")`: every
+   synchronising call (`.item()`, `.cpu()`, `nonzero`, a blocking copy, ...) warns, and each warning is
+   recorded with the thread it came from and its Python stack. The check fails when a sync's stack passes
+   through the agent's package on a thread other than the agent's own, or when the attached copy syncs
+   more often per step than the bare one (the stack's own syncs, FSDP2's say, are reported, not blamed on
+   the agent). Step times come from CUDA events at every step boundary, read after the loop: the overhead
+   is the difference of the medians.
+2. Host cost. `--host-steps` step pairs (bare, attached, attached, bare, ...) each started on an idle GPU
+   (`torch.cuda.synchronize()` before it, outside the debug mode) and timed on the host until the call
+   returns: the time the launch thread spends in the step, which the GPU pays whenever it waits for the
+   host. Reported: each copy's median and the median of the paired differences.
+
+The agent never lets an exception reach the loop, so its own report is read too: any internal error it
+counted or logged (at ERROR) fails the check; its warnings are listed.
+
+    python bench/gpu_check.py [--stacks plain,fsdp2,compile,fsdp2+compile] [--steps 300] [--json OUT]
+    python bench/gpu_check.py --device cpu --stacks plain,fsdp2 --steps 20 --dim 64 --seq 32 ...
+        (a dry run of the same code on a CPU, gloo instead of NCCL: no sync check, perf_counter times)
+
+Exits 0 when every stack ran sync-free with no internal error in the agent, 1 when one did not, 2 without
+CUDA (on `--device cuda`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import logging
 import math
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,21 +66,81 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _servers  # noqa: E402
 
+STACKS = ("plain", "fsdp2", "compile", "fsdp2+compile")
+# The options a child takes from its parent as they were given.
+_CHILD_OPTIONS = (
+    "steps",
+    "block",
+    "warmup",
+    "setup_steps",
+    "host_steps",
+    "profile_steps",
+    "layers",
+    "dim",
+    "heads",
+    "seq",
+    "batch",
+    "vocab",
+    "device",
+)
+
 
 class _Records(logging.Handler):
-    """Keeps what the agent logged at WARNING and above."""
+    """Keeps what the agent logged at WARNING and above: errors (its guard's, its sender's) fail the check,
+    warnings (what it says once about the run's layout, say) are reported."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
-        self.records: list[str] = []
+        self.errors: list[str] = []
+        self.warnings: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(f"{record.levelname} {record.name}: {record.getMessage()}")
+        line = f"{record.levelname} {record.name}: {record.getMessage()}"
+        (self.errors if record.levelno >= logging.ERROR else self.warnings).append(line[:400])
 
 
-def build(args: argparse.Namespace, seed: int) -> tuple[Any, Any]:
+class _Syncs:
+    """Records each sync warning of `set_sync_debug_mode("warn")`: the copy stepping, the thread, whether
+    its Python stack passes through the agent's package, and the innermost frames."""
+
+    def __init__(self, agent_dir: str) -> None:
+        self.agent_dir = agent_dir
+        self.variant = ""
+        self.found: list[dict[str, Any]] = []
+        self._previous = warnings.showwarning
+
+    def showwarning(self, message: Any, category: Any, filename: str, lineno: int, *rest: Any) -> None:
+        text = str(message)
+        if "synchronizing cuda operation" not in text.lower():
+            self._previous(message, category, filename, lineno, *rest)
+            return
+        stack = traceback.extract_stack()[:-1]
+        self.found.append(
+            {
+                "variant": self.variant,
+                "thread": threading.current_thread().name,
+                "in_agent": any(f.filename.startswith(self.agent_dir) for f in stack),
+                "message": text[:160],
+                "where": [f"{f.filename}:{f.lineno} {f.name}" for f in stack[-6:]],
+            }
+        )
+
+    @contextlib.contextmanager
+    def recording(self, torch: Any) -> Iterator[None]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = self.showwarning
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+
+def build(args: argparse.Namespace, stack: str, optimizer_kind: str) -> tuple[Any, Any]:
     """A pre-norm causal transformer on continuous inputs (an input projection instead of an
-    embedding table: the embedding backward of some CUDA builds syncs, and that is not the agent)."""
+    embedding table: the embedding backward of some CUDA builds syncs, and that is not the agent),
+    wrapped as `stack` says."""
     import torch
     import torch.nn.functional as F
 
@@ -91,26 +177,78 @@ def build(args: argparse.Namespace, seed: int) -> tuple[Any, Any]:
                 h = block(h)
             return self.head(self.norm(h))
 
-    torch.manual_seed(seed)
-    model = TinyLM().cuda()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-    return model, optimizer
+    torch.manual_seed(0)
+    model = TinyLM().to(args.device)
+    if "compile" in stack:
+        for block in model.blocks:
+            block.compile()
+    if "fsdp2" in stack:
+        _shard(model, model.blocks, args.device)
+    return model, _optimizer(torch, model, optimizer_kind)
+
+
+def _shard(model: Any, blocks: Any, device: str) -> None:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device, (1,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def _optimizer(torch: Any, model: Any, kind: str) -> Any:
+    return torch.optim.AdamW(model.parameters(), lr=3e-4, **{kind: True})
+
+
+def _optimizer_kind(torch: Any, args: argparse.Namespace, stack: str) -> tuple[str, str | None]:
+    """Fused AdamW where it runs on this stack's parameters, else foreach (and why)."""
+    if args.device != "cuda" and not hasattr(torch, "_fused_adamw_"):
+        return "foreach", "no fused AdamW in this torch"
+    if "fsdp2" not in stack:
+        return "fused", None
+    probe = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)).to(args.device)
+    _shard(probe, list(probe), args.device)
+    try:
+        opt = _optimizer(torch, probe, "fused")
+        probe(torch.randn(2, 8, device=args.device)).float().sum().backward()
+        opt.step()
+    except Exception as exc:
+        return "foreach", f"fused AdamW failed on DTensor parameters: {type(exc).__name__}: {exc}"[:300]
+    return "fused", None
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--steps", type=int, default=400, help="measured steps per variant (default %(default)s)"
+        "--stacks",
+        default=",".join(STACKS),
+        help=f"comma-separated, of {', '.join(STACKS)} (default all)",
     )
     parser.add_argument(
-        "--block", type=int, default=50, help="steps per variant per round (default %(default)s)"
+        "--steps", type=int, default=300, help="measured steps per copy and stack (default %(default)s)"
     )
-    parser.add_argument("--warmup", type=int, default=2, help="rounds discarded first (default %(default)s)")
+    parser.add_argument("--block", type=int, default=50, help="steps per copy per turn (default %(default)s)")
+    parser.add_argument("--warmup", type=int, default=2, help="turns discarded first (default %(default)s)")
     parser.add_argument(
         "--setup-steps",
         type=int,
         default=3,
-        help="steps per variant before the debug mode is on (default %(default)s)",
+        help="steps per copy before the debug mode is on (default %(default)s)",
+    )
+    parser.add_argument(
+        "--host-steps",
+        type=int,
+        default=100,
+        help="step pairs timed on the host, each from an idle GPU (default %(default)s)",
+    )
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="then cProfile this many attached steps and print where the host time goes (default off)",
     )
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dim", type=int, default=512)
@@ -118,33 +256,50 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run of the same code"
+    )
+    parser.add_argument(
+        "--stack-timeout",
+        type=float,
+        default=600.0,
+        help="seconds for one stack's child (default %(default)s)",
+    )
     parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--url", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    stacks = [s.strip() for s in args.stacks.split(",") if s.strip()]
+    unknown = [s for s in stacks if s not in STACKS]
+    if unknown or not stacks:
+        parser.error(f"--stacks: unknown {unknown or 'none given'}; choose from {', '.join(STACKS)}")
+    if args.dim % args.heads:
+        parser.error(f"--dim {args.dim} is not a multiple of --heads {args.heads}")
+    if args.child:
+        return child(args)
 
     try:
         import torch
     except ImportError as exc:
         print(f"gpu_check: torch is not installed ({exc}); this check needs torch with CUDA", file=sys.stderr)
         return 2
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print(
             f"gpu_check: CUDA is not available (torch {torch.__version__}, "
-            f"built for CUDA {torch.version.cuda}); run this on a machine with an NVIDIA GPU",
+            f"built for CUDA {torch.version.cuda}); run this on a machine with an NVIDIA GPU "
+            "(or --device cpu for a dry run)",
             file=sys.stderr,
         )
         return 2
     try:
-        import stepwatch
+        import stepwatch  # noqa: F401
     except ImportError as exc:
         print(
             f"gpu_check: the stepwatch agent is not importable ({exc}); pip install -e agent", file=sys.stderr
         )
         return 1
-
-    records = _Records()
-    logging.getLogger("stepwatch").addHandler(records)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (dry run)"
+    print(f"device: {where}, torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)
 
     with tempfile.TemporaryDirectory(prefix="stepwatch-gpu-") as tmp:
         ok, why = _servers.collector_available()
@@ -157,36 +312,152 @@ def main(argv: list[str] | None = None) -> int:
         )
         if not ok:
             print(f"stepwatch-server not importable ({why}): the agent sends to a stub receiver")
+        results: dict[str, dict[str, Any]] = {}
         with receiver_cm as receiver:
-            print(f"receiver: {receiver.kind} at {receiver.url}")
-            return run(args, torch, stepwatch, receiver.url, Path(tmp), records)
+            print(f"receiver: {receiver.kind} at {receiver.url}", flush=True)
+            for stack in stacks:
+                results[stack] = _run_child(args, stack, receiver.url, Path(tmp))
+    return report(args, results)
 
 
-def run(args: argparse.Namespace, torch: Any, stepwatch: Any, url: str, tmp: Path, records: _Records) -> int:
-    gen = torch.Generator(device="cuda").manual_seed(1)
+def _run_child(args: argparse.Namespace, stack: str, url: str, tmp: Path) -> dict[str, Any]:
+    out = tmp / f"{stack.replace('+', '_')}.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", stack, "--url", url, "--json", str(out)]
+    for name in _CHILD_OPTIONS:
+        cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    print(f"\n== {stack} ==", flush=True)
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, timeout=args.stack_timeout, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        rc: int | str = done.returncode
+    except subprocess.TimeoutExpired:
+        rc = f"timed out after {args.stack_timeout:.0f} s"
+    wall = time.perf_counter() - started
+    if out.exists():
+        result: dict[str, Any] = json.loads(out.read_text())
+    else:
+        result = {"problems": [f"the child for {stack} wrote no result (exit {rc})"]}
+    result["wall_s"] = round(wall, 1)
+    return result
+
+
+def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> int:
+    unit = "GPU" if args.device == "cuda" else "CPU"
+    print(f"\n{'stack':<15}{'optimizer':>10}{'bare step':>11}{'attached':>10}{'overhead':>10}"
+          f"{'host bare':>11}{'host added':>12}{'syncs/step':>12}{'graph breaks':>14}{'wall s':>8}")  # fmt: skip
+    failed = False
+    for stack, r in results.items():
+        problems = r.get("problems", [])
+        failed = failed or bool(problems)
+        if "bare" not in r:
+            print(f"{stack:<15} FAILED: {'; '.join(problems)[:300]}")
+            continue
+        b, a = r["bare"], r["stepwatch"]
+        syncs = (
+            f"{b['syncs_per_step']:.2f}/{a['syncs_per_step']:.2f}"
+            if b["syncs_per_step"] is not None
+            else "n/a"
+        )
+        breaks = f"{b['graph_breaks']}/{a['graph_breaks']}" if "compile" in stack else "-"
+        print(
+            f"{stack:<15}{r['optimizer']:>10}{b['median_ms']:>9.3f}ms{a['median_ms']:>8.3f}ms"
+            f"{r['overhead_pct']:>9.2f}%{b['host_ms']:>9.3f}ms{r['host_added_us']:>9.0f} us"
+            f"{syncs:>12}{breaks:>14}{r['wall_s']:>8.0f}"
+        )
+        for problem in problems:
+            print(f"    FAIL: {problem}")
+        for note in r.get("notes", []):
+            print(f"    note: {note}")
+    print(f"(step times: {unit} medians; overhead = attached - bare over bare; host: median time in the step "
+          "call from an idle GPU, added = median of paired differences; syncs and graph breaks: bare/attached)")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps({"device": args.device, "stacks": results}, indent=2) + "\n")
+    if failed:
+        print("FAIL: see the problems above", file=sys.stderr)
+        return 1
+    if args.device == "cuda":
+        print("OK: no host-device sync from the agent on the training thread, no internal error in the agent")
+    else:
+        print("OK (dry run): every stack ran, no internal error in the agent; syncs are not checked on a CPU")
+    return 0
+
+
+def child(args: argparse.Namespace) -> int:
+    import torch
+
+    import stepwatch
+
+    stack, cuda = args.child, args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    result: dict[str, Any] = {"notes": [], "problems": []}
+    if "fsdp2" in stack:
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            init_method=f"tcp://127.0.0.1:{_servers.free_port()}",
+            rank=0,
+            world_size=1,
+        )
+    records = _Records()
+    logging.getLogger("stepwatch").addHandler(records)
+    kind, why = _optimizer_kind(torch, args, stack)
+    result["optimizer"] = kind
+    if why:
+        result["notes"].append(why)
+    try:
+        return _measure(args, torch, stepwatch, stack, kind, records, result)
+    except Exception as exc:  # one stack's failure is reported, the other stacks still run
+        result["problems"].append(f"{type(exc).__name__}: {exc}"[:500])
+        traceback.print_exc()
+        args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        return 1
+
+
+def _measure(
+    args: argparse.Namespace,
+    torch: Any,
+    stepwatch: Any,
+    stack: str,
+    kind: str,
+    records: _Records,
+    result: dict[str, Any],
+) -> int:
+    cuda = args.device == "cuda"
+    gen = torch.Generator(device=args.device).manual_seed(1)
     data = [
         (
-            torch.randn(args.batch, args.seq, args.dim, device="cuda", generator=gen),
-            torch.randint(0, args.vocab, (args.batch * args.seq,), device="cuda", generator=gen),
+            torch.randn(args.batch, args.seq, args.dim, device=args.device, generator=gen),
+            torch.randint(0, args.vocab, (args.batch * args.seq,), device=args.device, generator=gen),
         )
         for _ in range(8)
     ]
+    autocast = (
+        contextlib.nullcontext
+        if "fsdp2" in stack  # bf16 through the sharding's MixedPrecisionPolicy
+        else lambda: torch.autocast(args.device, dtype=torch.bfloat16)
+    )
     variants: dict[str, dict[str, Any]] = {}
-    for name, seed in (("bare", 0), ("stepwatch", 0)):
-        model, optimizer = build(args, seed)
-        variants[name] = {"model": model, "optimizer": optimizer, "events": [], "watch": None}
-    variants["stepwatch"]["watch"] = stepwatch.attach(
+    for name in ("bare", "stepwatch"):
+        model, optimizer = build(args, stack, kind)
+        variants[name] = {"model": model, "optimizer": optimizer, "events": [], "host": [], "watch": None}
+    spool = Path(args.json).parent / f"spool-{stack.replace('+', '_')}"
+    watch = stepwatch.attach(
         variants["stepwatch"]["model"],
         variants["stepwatch"]["optimizer"],
-        run="bench-gpu-check",
-        url=url,
-        spool_dir=str(tmp / "spool"),
+        run=f"bench-gpu-check-{stack.replace('+', '-')}",
+        url=args.url,
+        spool_dir=str(spool),
     )
+    variants["stepwatch"]["watch"] = watch
+    result["tracked_modules"] = len(watch.tracked())
 
     def step(v: dict[str, Any], i: int) -> None:
         x, targets = data[i % len(data)]
         v["optimizer"].zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with autocast():
             logits = v["model"](x)
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets)
         if v["watch"] is not None:
@@ -194,79 +465,129 @@ def run(args: argparse.Namespace, torch: Any, stepwatch: Any, url: str, tmp: Pat
         loss.backward()
         v["optimizer"].step()
 
-    # First steps outside the debug mode: lazy set-up (optimizer state, the agent's device buffers,
-    # cuBLAS handles) may copy from the host once; the check is about the steady state.
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    # Lazy set-up (optimizer state, the agent's buffers, compilation) outside the debug mode; the
+    # graph breaks each copy's compilation counted.
+    counters = torch._dynamo.utils.counters
     for v in variants.values():
+        before = sum(counters["graph_break"].values())
         for i in range(args.setup_steps):
             step(v, i)
-    torch.cuda.synchronize()
+        sync()
+        v["graph_breaks"] = sum(counters["graph_break"].values()) - before
 
-    rounds = math.ceil(args.steps / args.block)
-    failure: str | None = None
+    syncs = _Syncs(str(Path(stepwatch.__file__).resolve().parent))
+    turns = math.ceil(args.steps / args.block)
     started = time.perf_counter()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for r in range(args.warmup + rounds):
+    with syncs.recording(torch) if cuda else contextlib.nullcontext():
+        for r in range(args.warmup + turns):
             for name in ("bare", "stepwatch") if r % 2 == 0 else ("stepwatch", "bare"):
                 v = variants[name]
-                block = []
+                syncs.variant = name if r >= args.warmup else f"{name} (warm-up)"
+                marks: list[Any] = []
                 for i in range(args.block + 1):
-                    event = torch.cuda.Event(enable_timing=True)
-                    event.record()
-                    block.append(event)
+                    if cuda:
+                        event = torch.cuda.Event(enable_timing=True)
+                        event.record()
+                        marks.append(event)
+                    else:
+                        marks.append(time.perf_counter())
                     if i < args.block:
-                        try:
-                            step(v, r * args.block + i)
-                        except RuntimeError as exc:
-                            who = (
-                                "the benchmark's own loop (bare)"
-                                if name == "bare"
-                                else "the agent's hot path"
-                            )
-                            failure = f"a host-device sync in {who}: {exc}"
-                            raise
+                        step(v, r * args.block + i)
                 if r >= args.warmup:
-                    v["events"].append(block)
-    except RuntimeError:
-        pass
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    wall_s = time.perf_counter() - started
-    watch = variants["stepwatch"]["watch"]
+                    v["events"].append(marks)
+        if cuda:  # a deliberate sync: the recorder must see it, or the check above proved nothing
+            syncs.variant = "control"
+            data[0][0].sum().item()
+    sync()
+    result["sync_check_s"] = round(time.perf_counter() - started, 1)
+
+    # Host cost: each step from an idle GPU, the copies paired (ABBA).
+    for i in range(2 * args.host_steps):
+        order = ("bare", "stepwatch") if i % 2 == 0 else ("stepwatch", "bare")
+        for name in order:
+            sync()
+            t0 = time.perf_counter()
+            step(variants[name], i)
+            variants[name]["host"].append(time.perf_counter() - t0)
+    sync()
+    if args.profile_steps:
+        result["profile"] = _profile(lambda i: step(variants["stepwatch"], i), args.profile_steps)
+        print(f"-- {stack}: the attached copy's host time by function, {args.profile_steps} steps --")
+        print(result["profile"])
     watch.close()
     stats = watch.stats()
 
-    if failure:
-        print(f"FAIL: {failure}", file=sys.stderr)
-        return 1
-    results: dict[str, Any] = {}
+    measured_steps = turns * args.block
     for name, v in variants.items():
-        steps_ms = [a.elapsed_time(b) for block in v["events"] for a, b in itertools.pairwise(block)]
-        results[name] = {
+        if cuda:
+            steps_ms = [a.elapsed_time(b) for marks in v["events"] for a, b in itertools.pairwise(marks)]
+        else:
+            steps_ms = [(b - a) * 1e3 for marks in v["events"] for a, b in itertools.pairwise(marks)]
+        steps_ms.sort()
+        counted = [s for s in syncs.found if s["variant"] == name and s["thread"] != "stepwatch-sender"]
+        result[name] = {
             "steps": len(steps_ms),
             "median_ms": statistics.median(steps_ms),
-            "p99_ms": sorted(steps_ms)[min(len(steps_ms) - 1, round(0.99 * (len(steps_ms) - 1)))],
+            "p99_ms": steps_ms[min(len(steps_ms) - 1, round(0.99 * (len(steps_ms) - 1)))],
+            "host_ms": statistics.median(v["host"]) * 1e3,
+            "syncs_per_step": len(counted) / measured_steps if cuda else None,
+            "graph_breaks": v["graph_breaks"],
         }
-    bare, agent = results["bare"]["median_ms"], results["stepwatch"]["median_ms"]
-    overhead_pct = (agent - bare) / bare * 100
-    print(f"{'variant':<12}{'median ms':>11}{'p99 ms':>10}")
-    for name, r in results.items():
-        print(f"{name:<12}{r['median_ms']:>11.3f}{r['p99_ms']:>10.3f}")
-    print(f"stepwatch overhead: {agent - bare:.3f} ms = {overhead_pct:.2f}% of the bare median step")
-    print(f"wall time {wall_s:.1f} s; agent stats: {json.dumps(stats, default=str, sort_keys=True)}")
+    bare, attached = result["bare"], result["stepwatch"]
+    result["overhead_pct"] = (attached["median_ms"] - bare["median_ms"]) / bare["median_ms"] * 100
+    pairs = zip(variants["bare"]["host"], variants["stepwatch"]["host"], strict=True)
+    result["host_added_us"] = statistics.median(a - b for b, a in pairs) * 1e6
+    result["agent_stats"] = stats
+    result["syncs"] = {
+        "total": len(syncs.found),
+        "in_agent": [s for s in syncs.found if s["in_agent"]][:5],
+        "examples": syncs.found[:5],
+    }
 
-    problems = list(records.records) + _internal_errors(stats)
-    if args.json:
-        out = {"results": results, "overhead_pct": overhead_pct, "agent_stats": stats, "problems": problems}
-        args.json.write_text(json.dumps(out, indent=2, default=str) + "\n")
-    if problems:
-        print("FAIL: the agent reported internal errors under sync debug mode 'error':", file=sys.stderr)
-        for problem in problems:
-            print(f"  {problem}", file=sys.stderr)
-        return 1
-    print("OK: no host-device sync on the training thread, no internal error in the agent")
-    return 0
+    problems = result["problems"]
+    problems += records.errors + _internal_errors(stats)
+    result["notes"] += [f"the agent logged {line}" for line in records.warnings]
+    for s in syncs.found:  # the measured turns (compilation may still run in the warm-up ones)
+        if s["in_agent"] and s["thread"] != "stepwatch-sender" and s["variant"] in variants:
+            problems.append(f"a sync inside the agent on thread {s['thread']}: {s['where'][-3:]}")
+            break
+    warm = sum(1 for s in syncs.found if s["variant"].endswith("(warm-up)"))
+    if warm:
+        result["notes"].append(f"{warm} sync(s) in the warm-up turns (not counted)")
+    if cuda and attached["syncs_per_step"] > bare["syncs_per_step"]:
+        problems.append(
+            f"the attached copy syncs {attached['syncs_per_step']:.2f} times a step, the bare one "
+            f"{bare['syncs_per_step']:.2f}"
+        )
+    if cuda and not any(s["variant"] == "control" for s in syncs.found):
+        problems.append("the recorder did not see a deliberate .item(): the sync check did not work")
+    if not cuda:
+        result["notes"].append("dry run on a CPU: no sync check")
+    args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return 1 if problems else 0
+
+
+def _profile(step: Any, steps: int) -> str:
+    """cProfile of `steps` calls of `step`: the functions with the most time of their own."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for i in range(steps):
+        step(i)
+    profiler.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("tottime").print_stats(25)
+    out.write("the agent's own functions, by cumulative time:\n")
+    stats.sort_stats("cumulative").print_stats("stepwatch/", 25)
+    return out.getvalue()
 
 
 def _internal_errors(stats: Any, prefix: str = "") -> list[str]:

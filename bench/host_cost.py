@@ -13,6 +13,7 @@ bench/_refs.py) alternate with this tree's, `--rounds` each. Reported per N and 
 rounds of the bare step, the paired added time and its share of the bare step.
 
     .venv/bin/python bench/host_cost.py [--n 12,100,500] [--rounds 5] [--steps 600] [--ref REF] [--json OUT]
+        [--device cuda]   (the model on the GPU: its kernels are launched, not waited for)
 
 Targets (issue 13): added <= 60 us at N=12, <= 300 us at N=100, <= 1.2 ms at N=500.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -42,16 +44,17 @@ import json, statistics, sys, time
 import torch
 torch.set_num_threads(1)
 n, steps, warmup, url, spool = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+device = sys.argv[6]
 
 def make():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(n)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(n)]).to(device)
     return model, torch.optim.SGD(model.parameters(), lr=1e-4)
 
 bare, attached = make(), make()
 import stepwatch
 watch = stepwatch.attach(*attached, run=f"host-cost-{n}", url=url, spool_dir=spool)
-x = torch.randn(4, 16)
+x = torch.randn(4, 16, device=device)
 
 def step(model, opt):
     t0 = time.perf_counter()
@@ -75,11 +78,15 @@ print(json.dumps({"bare_s": statistics.median(b), "attached_s": statistics.media
 """
 
 
-def child(n: int, steps: int, warmup: int, url: str, spool: str, agent_src: Path) -> dict[str, float]:
+def child(
+    n: int, steps: int, warmup: int, url: str, spool: str, agent_src: Path, device: str
+) -> dict[str, float]:
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(n), str(steps), str(warmup), url, spool],
+        [sys.executable, "-c", CHILD, str(n), str(steps), str(warmup), url, spool, device],
         capture_output=True, text=True, timeout=900, cwd=REPO,
-        env={"PYTHONPATH": str(agent_src), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+        # on CUDA the machine's own environment (its driver's library paths) is kept
+        env={**(os.environ if device == "cuda" else {"PATH": "/usr/bin:/bin"}),
+             "PYTHONPATH": str(agent_src), "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     if out.returncode != 0:
         raise RuntimeError(f"child failed ({out.returncode}): {out.stderr[-2000:]}")
@@ -93,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--warmup", type=int, default=100)
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the model runs (cuda: the step's kernels are launched, not waited for)",
+    )
     p.add_argument("--ref", help="also measure the agent of this commit, interleaved (e.g. HEAD~1)")
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
@@ -110,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             runs: dict[str, list[dict[str, float]]] = {name: [] for name, _ in agents}
             for r in range(a.rounds):
                 for name, src in agents[r % len(agents) :] + agents[: r % len(agents)]:  # rotated
-                    runs[name].append(child(n, a.steps, a.warmup, receiver.url, spool, src))
+                    runs[name].append(child(n, a.steps, a.warmup, receiver.url, spool, src, a.device))
                 print(f"N={n} round {r + 1}/{a.rounds}: " + ", ".join(
                     f"{name} +{got[-1]['paired_s'] * 1e6:.0f} us on {got[-1]['bare_s'] * 1e6:.0f} us"
                     for name, got in runs.items()), file=sys.stderr, flush=True)  # fmt: skip
