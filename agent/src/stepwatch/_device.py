@@ -217,6 +217,21 @@ def cuda_memory_mb(stats: Mapping[str, Any]) -> dict[str, float]:
     }
 
 
+def timing_event(device: torch.device) -> Callable[[], Any]:
+    """A maker of the timing events that mark a CUDA step's phases, each recorded on the current stream
+    by `.record()`. `torch.Event` records in C++; `torch.cuda.Event.record()` builds a Python `Stream`
+    for the current stream on every call (`torch.cuda.current_stream()`), four times a step on the thread
+    that launches the kernels. Both give `elapsed_time` in ms."""
+    event = getattr(torch, "Event", None)
+    if event is not None:
+        try:
+            event(device=device, enable_timing=True)
+            return lambda: event(device=device, enable_timing=True)
+        except (TypeError, RuntimeError):  # an older signature, or this device's events unsupported
+            pass
+    return lambda: torch.cuda.Event(enable_timing=True)
+
+
 def read_cuda_memory_mb(device: torch.device) -> dict[str, float]:
     """One read of the allocator's statistics (host memory only, no sync). Read once per transfer:
     `torch.cuda.memory_allocated()` and its siblings each build and flatten the whole statistics

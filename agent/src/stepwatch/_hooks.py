@@ -28,6 +28,7 @@ from ._device import (
     check_one,
     local,
     read_cuda_memory_mb,
+    timing_event,
     transfer,
 )
 from ._guard import Guard
@@ -46,8 +47,9 @@ RING_ROWS = 2 * STEPS_PER_TRANSFER + 2
 FLUSH_CALLS = 128
 FLUSH_ELEMENTS = 1 << 22
 # On a CPU an output of more elements is checked on its own, at once (`_device.SMALL_ELEMENTS`: a copy
-# into a stack would cost more than the dispatch it saves). On CUDA every output waits: the foreach
-# kernel reads each in place.
+# into a stack would cost more than the dispatch it saves). On CUDA outputs wait (the foreach kernel
+# reads each in place) unless one alone fills the queue (FLUSH_ELEMENTS): it would be reduced on its own
+# anyway, and the direct check skips the queue's Python (flush, amax_each, no_grad) on the launch thread.
 DIRECT_ELEMENTS = SMALL_ELEMENTS
 _grad_enabled = torch.is_grad_enabled
 _compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (
@@ -163,6 +165,8 @@ class Hooks:
         param = next(iter(model.parameters()), None)
         self.device = param.device if param is not None else torch.device("cpu")
         self.cuda = self.device.type == "cuda"
+        self.direct_elements = FLUSH_ELEMENTS - 1 if self.cuda else DIRECT_ELEMENTS
+        self._timing_event = timing_event(self.device) if self.cuda else None
         self.capacity_mb = self._capacity_mb()  # read once: the sender adds it to the memory values
         named_params = list(model.named_parameters())
         self._pnames = dict(
@@ -239,8 +243,8 @@ class Hooks:
 
     # -- hooks (training thread) --------------------------------------------------------------------
     def _mark(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
+        if self._timing_event is not None:
+            event = self._timing_event()
             event.record()
             return event
         return _perf()
@@ -606,7 +610,7 @@ class Tap:
                 cur.calls.append(self.slot)
                 cur.amax.append(check_one(t))
                 return out
-            if n > DIRECT_ELEMENTS and not hooks.cuda:
+            if n > hooks.direct_elements:
                 if cur.pending:
                     hooks.flush()  # the waiting calls first: values stay in call order
                 cur.calls.append(self.slot)
