@@ -26,7 +26,9 @@ STOP_TIMEOUT_S = 10.0
 
 # The stub receiver: answers 200 with a plausible ingest reply to every POST, reads the whole body.
 _STUB_SOURCE = r"""
-import http.server, sys
+import gzip, http.server, itertools, os, sys
+SAVE = sys.argv[2] if len(sys.argv) > 2 else None
+NUMBERS = itertools.count()
 class H(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     def _reply(self, body=b'{"accepted": true, "rows": 0, "duplicates": 0, "incarnation": 1}'):
@@ -36,7 +38,14 @@ class H(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
     def do_POST(self):
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if SAVE:  # each body as sent (gzip undone), one file each, written whole before it is named
+            if self.headers.get("Content-Encoding") == "gzip":
+                body = gzip.decompress(body)
+            path = os.path.join(SAVE, f"{next(NUMBERS):06d}.json")
+            with open(path + ".tmp", "wb") as f:
+                f.write(body)
+            os.replace(path + ".tmp", path)
         self._reply()
     def do_GET(self):
         self._reply(b'{"status": "ok"}')
@@ -143,10 +152,12 @@ def collector(
 
 
 @contextlib.contextmanager
-def stub() -> Iterator[Receiver]:
-    """A stdlib HTTP server that answers 200 to everything, in a child process."""
+def stub(save_dir: Path | None = None) -> Iterator[Receiver]:
+    """A stdlib HTTP server that answers 200 to everything, in a child process; with `save_dir`, each
+    POST body is saved there (`NNNNNN.json`, decompressed)."""
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-c", _STUB_SOURCE, str(port)])
+    save = [str(save_dir)] if save_dir is not None else []
+    process = subprocess.Popen([sys.executable, "-c", _STUB_SOURCE, str(port), *save])
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(url, process, "/healthz")

@@ -11,7 +11,7 @@ in each of these stacks, one child process per stack:
     fsdp2+compile   blocks compiled, then sharded as in fsdp2 (torchtitan's order)
 
 Each child holds two copies of the model, bare and with `stepwatch.attach(...)` at default settings
-shipping to a receiver on loopback (the real collector when importable, else a stub answering 200).
+shipping to a stub receiver on loopback that saves every body.
 
 1. Sync check and step time. After `--setup-steps` steps per copy (lazy set-up, compilation), the copies
    take turns in blocks of `--block` steps under `torch.cuda.set_sync_debug_mode("warn")`: every
@@ -26,15 +26,21 @@ shipping to a receiver on loopback (the real collector when importable, else a s
    returns: the time the launch thread spends in the step, which the GPU pays whenever it waits for the
    host. Reported: each copy's median and the median of the paired differences.
 
+3. Values. What each attached copy shipped (the saved bodies) must agree with what the benchmark saw:
+   every step once, `time.step_ms` within 10% of the benchmark's own timer (median over the measured
+   turns), the phases within each step, finite loss and grad norm, no non-finite flag, and the amax of
+   every tracked module on every sampled step.
+
 The agent never lets an exception reach the loop, so its own report is read too: any internal error it
-counted or logged (at ERROR) fails the check; its warnings are listed.
+counted or logged (at ERROR) fails the check; its warnings are listed. `--ref-agent DIR` runs each stack
+again with the agent in DIR (e.g. `git archive REF agent/src | tar -x -C .ref`), side by side.
 
     python bench/gpu_check.py [--stacks plain,fsdp2,compile,fsdp2+compile] [--steps 300] [--json OUT]
     python bench/gpu_check.py --device cpu --stacks plain,fsdp2 --steps 20 --dim 64 --seq 32 ...
         (a dry run of the same code on a CPU, gloo instead of NCCL: no sync check, perf_counter times)
 
-Exits 0 when every stack ran sync-free with no internal error in the agent, 1 when one did not, 2 without
-CUDA (on `--device cuda`).
+Exits 0 when every stack ran sync-free with the right values and no internal error in the agent, 1 when one
+did not, 2 without CUDA (on `--device cuda`).
 """
 
 from __future__ import annotations
@@ -266,7 +272,16 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds for one stack's child (default %(default)s)",
     )
     parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results as JSON")
+    parser.add_argument(
+        "--ref-agent",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also run each stack with the agent in DIR (a folder holding stepwatch/, e.g. another "
+        "commit's agent/src), side by side",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--label", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--url", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     stacks = [s.strip() for s in args.stacks.split(",") if s.strip()]
@@ -275,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--stacks: unknown {unknown or 'none given'}; choose from {', '.join(STACKS)}")
     if args.dim % args.heads:
         parser.error(f"--dim {args.dim} is not a multiple of --heads {args.heads}")
+    if args.ref_agent is not None and not (args.ref_agent / "stepwatch" / "__init__.py").is_file():
+        parser.error(
+            f"--ref-agent {args.ref_agent}: no stepwatch/__init__.py there (give an agent/src folder)"
+        )
     if args.child:
         return child(args)
 
@@ -302,33 +321,125 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {where}, torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)
 
     with tempfile.TemporaryDirectory(prefix="stepwatch-gpu-") as tmp:
-        ok, why = _servers.collector_available()
-        receiver_cm = (
-            _servers.collector(
-                f"sqlite:///{Path(tmp) / 'collector.db'}", log_path=Path(tmp) / "collector.log"
-            )
-            if ok
-            else _servers.stub()
-        )
-        if not ok:
-            print(f"stepwatch-server not importable ({why}): the agent sends to a stub receiver")
+        bodies = Path(tmp) / "bodies"
+        bodies.mkdir()
         results: dict[str, dict[str, Any]] = {}
-        with receiver_cm as receiver:
-            print(f"receiver: {receiver.kind} at {receiver.url}", flush=True)
+        with _servers.stub(bodies) as receiver:
+            print(f"receiver: {receiver.kind} at {receiver.url}, saving the bodies", flush=True)
             for stack in stacks:
-                results[stack] = _run_child(args, stack, receiver.url, Path(tmp))
+                agents: list[tuple[str, Path | None]] = [(stack, None)]
+                if args.ref_agent:  # side by side, which goes first alternating between stacks
+                    agents.append((f"{stack}@ref", args.ref_agent))
+                    agents = agents[:: 1 if stacks.index(stack) % 2 == 0 else -1]
+                for label, agent in agents:
+                    results[label] = _run_child(args, stack, label, agent, receiver.url, Path(tmp))
+        for label, result in results.items():
+            if "stepwatch" in result:
+                check_values(args, _records_of(bodies, run_name(label)), result)
     return report(args, results)
 
 
-def _run_child(args: argparse.Namespace, stack: str, url: str, tmp: Path) -> dict[str, Any]:
-    out = tmp / f"{stack.replace('+', '_')}.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", stack, "--url", url, "--json", str(out)]
+def run_name(stack: str) -> str:
+    return f"bench-gpu-check-{stack.replace('+', '-')}"
+
+
+def _records_of(bodies: Path, run: str) -> dict[str, Any]:
+    """What the agent shipped for `run`: step -> {metric: value}, the sampled steps' amax by module, and
+    the steps sent more than once."""
+    steps: dict[int, dict[str, Any]] = {}
+    amax: dict[int, dict[str, float]] = {}
+    repeated: list[int] = []
+    for path in sorted(bodies.glob("*.json")):
+        body = json.loads(path.read_text())
+        if body.get("run") != run:
+            continue
+        metrics = body.get("metrics") or {}
+        for i, step in enumerate(body.get("steps") or []):
+            if step in steps:
+                repeated.append(step)
+            steps[step] = {name: values[i] for name, values in metrics.items()}
+        tensors = body.get("tensors") or {}
+        for i, step in enumerate(tensors.get("steps") or []):
+            by_module = (tensors.get("stats") or {}).get("amax") or {}
+            amax[step] = {module: values[i] for module, values in by_module.items()}
+    return {"steps": steps, "amax": amax, "repeated": repeated}
+
+
+def check_values(args: argparse.Namespace, shipped: dict[str, Any], result: dict[str, Any]) -> None:
+    """What the attached copy shipped agrees with what the benchmark saw: every step once; its step times
+    those of the benchmark's own timer over the measured turns; phases within the step; finite grad norm,
+    loss and amax of every tracked module on the sampled steps; no non-finite flag."""
+    problems: list[str] = result["problems"]
+    steps, amax = shipped["steps"], shipped["amax"]
+    turns = math.ceil(args.steps / args.block)
+    total = args.setup_steps + (args.warmup + turns) * args.block + 2 * args.host_steps + args.profile_steps
+    if sorted(steps) != list(range(1, total + 1)) or shipped["repeated"]:
+        missing = sorted(set(range(1, total + 1)) - set(steps))
+        problems.append(
+            f"values: {len(steps)} steps shipped, {total} taken (missing {missing[:5]}, "
+            f"extra {sorted(set(steps) - set(range(1, total + 1)))[:5]}, repeated {shipped['repeated'][:5]})"
+        )
+        return
+    # The attached copy's steps in the measured turns, less the first of each (it spans the bare turn).
+    first = args.setup_steps + args.warmup * args.block
+    measured = [first + t * args.block + i for t in range(turns) for i in range(2, args.block + 1)]
+    step_ms = [steps[s]["time.step_ms"] for s in measured]
+    shipped_median = statistics.median(step_ms)
+    bench_median = result["stepwatch"]["median_ms"]
+    summary = {"shipped_step_ms": shipped_median, "bench_step_ms": bench_median, "sampled_steps": len(amax)}
+    result["values"] = summary
+    if abs(shipped_median - bench_median) > 0.1 * bench_median:
+        problems.append(
+            f"values: time.step_ms median {shipped_median:.3f} ms, the benchmark's {bench_median:.3f}"
+        )
+    for s in measured:
+        r = steps[s]
+        phases = [r.get(f"time.{p}_ms") for p in ("forward", "backward", "optimizer")]
+        if any(p is None or p < 0 for p in phases) or not (
+            0.5 * r["time.step_ms"] <= sum(phases) <= 1.02 * r["time.step_ms"] + 0.05
+        ):
+            problems.append(f"values: step {s}: phases {phases} ms against a step of {r['time.step_ms']} ms")
+            break
+    for s, r in steps.items():
+        bad = [
+            name
+            for name in ("loss", "grad_norm")
+            if not isinstance(r.get(name), float) or not math.isfinite(r[name]) or r[name] <= 0
+        ] + [name for name in r if name.startswith("nonfinite.") and r[name]]
+        if bad:
+            problems.append(f"values: step {s}: {', '.join(f'{n}={r.get(n)!r}' for n in bad)}")
+            break
+    sampled = [s for s in range(1, total + 1) if s % 10 == 0]
+    if sorted(amax) != sampled:
+        problems.append(f"values: amax shipped for {len(amax)} steps, {len(sampled)} sampled")
+    for s, modules in amax.items():
+        values = list(modules.values())
+        if len(values) != result["tracked_modules"] or not all(
+            isinstance(v, float) and math.isfinite(v) and v > 0 for v in values
+        ):
+            problems.append(f"values: step {s}: amax of {len(values)} modules {values[:4]}")
+            break
+
+
+def _run_child(
+    args: argparse.Namespace, stack: str, label: str, agent: Path | None, url: str, tmp: Path
+) -> dict[str, Any]:
+    """One stack's child process; with `agent`, that agent's source (a folder holding `stepwatch/`)
+    is imported instead of this tree's."""
+    out = tmp / f"{label.replace('+', '_').replace('@', '_')}.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", stack, "--label", label]
+    cmd += ["--url", url, "--json", str(out)]
     for name in _CHILD_OPTIONS:
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    print(f"\n== {stack} ==", flush=True)
+    print(f"\n== {label} ==", flush=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if agent is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(agent.resolve()), env.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep
+        )
     started = time.perf_counter()
     try:
-        done = subprocess.run(cmd, timeout=args.stack_timeout, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        done = subprocess.run(cmd, timeout=args.stack_timeout, env=env)
         rc: int | str = done.returncode
     except subprocess.TimeoutExpired:
         rc = f"timed out after {args.stack_timeout:.0f} s"
@@ -336,21 +447,21 @@ def _run_child(args: argparse.Namespace, stack: str, url: str, tmp: Path) -> dic
     if out.exists():
         result: dict[str, Any] = json.loads(out.read_text())
     else:
-        result = {"problems": [f"the child for {stack} wrote no result (exit {rc})"]}
+        result = {"problems": [f"the child for {label} wrote no result (exit {rc})"]}
     result["wall_s"] = round(wall, 1)
     return result
 
 
 def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> int:
     unit = "GPU" if args.device == "cuda" else "CPU"
-    print(f"\n{'stack':<15}{'optimizer':>10}{'bare step':>11}{'attached':>10}{'overhead':>10}"
+    print(f"\n{'stack':<19}{'optimizer':>10}{'bare step':>11}{'attached':>10}{'overhead':>10}"
           f"{'host bare':>11}{'host added':>12}{'syncs/step':>12}{'graph breaks':>14}{'wall s':>8}")  # fmt: skip
     failed = False
     for stack, r in results.items():
         problems = r.get("problems", [])
         failed = failed or bool(problems)
         if "bare" not in r:
-            print(f"{stack:<15} FAILED: {'; '.join(problems)[:300]}")
+            print(f"{stack:<19} FAILED: {'; '.join(problems)[:300]}")
             continue
         b, a = r["bare"], r["stepwatch"]
         syncs = (
@@ -360,10 +471,15 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> int:
         )
         breaks = f"{b['graph_breaks']}/{a['graph_breaks']}" if "compile" in stack else "-"
         print(
-            f"{stack:<15}{r['optimizer']:>10}{b['median_ms']:>9.3f}ms{a['median_ms']:>8.3f}ms"
+            f"{stack:<19}{r['optimizer']:>10}{b['median_ms']:>9.3f}ms{a['median_ms']:>8.3f}ms"
             f"{r['overhead_pct']:>9.2f}%{b['host_ms']:>9.3f}ms{r['host_added_us']:>9.0f} us"
             f"{syncs:>12}{breaks:>14}{r['wall_s']:>8.0f}"
         )
+        if "values" in r:
+            v = r["values"]
+            print(f"    values shipped: every step once, time.step_ms median {v['shipped_step_ms']:.3f} ms "
+                  f"(the benchmark's {v['bench_step_ms']:.3f}), amax of every module on {v['sampled_steps']} "
+                  "sampled steps")  # fmt: skip
         for problem in problems:
             print(f"    FAIL: {problem}")
         for note in r.get("notes", []):
@@ -447,12 +563,13 @@ def _measure(
     watch = stepwatch.attach(
         variants["stepwatch"]["model"],
         variants["stepwatch"]["optimizer"],
-        run=f"bench-gpu-check-{stack.replace('+', '-')}",
+        run=run_name(args.label or stack),
         url=args.url,
         spool_dir=str(spool),
     )
     variants["stepwatch"]["watch"] = watch
     result["tracked_modules"] = len(watch.tracked())
+    result["agent"] = str(Path(stepwatch.__file__).resolve().parent)
 
     def step(v: dict[str, Any], i: int) -> None:
         x, targets = data[i % len(data)]
