@@ -224,7 +224,10 @@ def test_each_run_says_how_much_it_stores_and_metrics_has_the_database_size(
     assert runs["big"]["stored_values"] == big and runs["small"]["stored_values"] == small
     one = collector.get("/api/v1/runs/big")
     assert one["stored_values"] == big
-    assert runs["big"]["stored_bytes"] == one["stored_bytes"] > 0
+    # The same estimate from both endpoints; the database itself may grow between the two reads (the rollup
+    # worker writes in the background), and its size is what the estimate shares out.
+    assert one["stored_bytes"] > 0
+    assert runs["big"]["stored_bytes"] == pytest.approx(one["stored_bytes"], rel=0.05)
     assert runs["big"]["stored_bytes"] / runs["small"]["stored_bytes"] == pytest.approx(big / small, rel=0.01)
 
     metrics = collector.http.get("/metrics").text
