@@ -23,10 +23,11 @@ import faulthandler
 import os
 import struct
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
-from typing import IO
+from typing import IO, Any
 
 MAX_STACK_FRAMES = 16  # frames shipped per heartbeat (docs/ingest.md, `heartbeat.stack`)
 MAX_FRAME_CHARS = 200  # characters per frame, "module:function"
@@ -35,6 +36,22 @@ OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 MODULES_REFRESH_S = 30.0
 FRAME_PREFIX = '  File "'
 IDENT_DIGITS = 2 * struct.calcsize("L")  # faulthandler prints a thread id as 0x%0*lx
+
+
+# Every thread's stack, for the collector's `stacks` command (_commands.py): bounded in threads and frames.
+MAX_THREADS = 64
+MAX_THREAD_FRAMES = 64
+THREAD_PREFIX = ("Thread 0x", "Current thread 0x")
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """Where the interpreter's and the installed packages' files live: a frame elsewhere is the project's."""
+    paths = sysconfig.get_paths()
+    dirs = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return tuple(sorted(os.path.abspath(d) + os.sep for d in dirs if d))
+
+
+LIBRARY_DIRS = _library_dirs()
 
 
 def _own(module: str, path: str) -> bool:
@@ -58,13 +75,28 @@ def _thread_block(text: str, ident: int) -> list[str]:
 
 def parse_frame(line: str) -> tuple[str, str] | None:
     """(path, function) of a faulthandler frame line `  File "PATH", line N in FUNCTION`."""
+    frame = parse_frame_line(line)
+    return None if frame is None else (frame[0], frame[2])
+
+
+def parse_frame_line(line: str) -> tuple[str, int, str] | None:
+    """(path, line number, function) of a faulthandler frame line `  File "PATH", line N in FUNCTION`."""
     if not line.startswith(FRAME_PREFIX):
         return None
     path, sep, rest = line[len(FRAME_PREFIX) :].rpartition('", line ')
     if not sep:
         return None
-    _, sep, function = rest.partition(" in ")
-    return (path, function) if sep else None
+    number, sep, function = rest.partition(" in ")
+    return (path, int(number) if number.isdigit() else 0, function) if sep else None
+
+
+def _ident(header: str) -> int | None:
+    """The thread id of a dump's header line `Thread 0x... (most recent call first):`."""
+    hexa = header.partition("0x")[2].partition(" ")[0]
+    try:
+        return int(hexa, 16)
+    except ValueError:
+        return None
 
 
 class StackReader:
@@ -113,16 +145,54 @@ class StackReader:
                 break
         return names
 
-    def stack(self, ident: int) -> list[str]:
-        """The stack of thread `ident`, or [] when the thread has ended."""
+    def _dump(self) -> str:
         with self._lock:
             f = self._buffer()
             f.seek(0)
             f.truncate()
             faulthandler.dump_traceback(f, all_threads=True)
             f.seek(0)
-            text = f.read().decode("utf-8", "replace")
-        return self.names(text, ident)
+            return f.read().decode("utf-8", "replace")
+
+    def stack(self, ident: int) -> list[str]:
+        """The stack of thread `ident`, or [] when the thread has ended."""
+        return self.names(self._dump(), ident)
+
+    def threads(self, training: int | None) -> list[dict[str, Any]]:
+        """Every thread's stack, innermost frame first: `{"name", "training", "frames": [{"module",
+        "function", "file", "line", "own"}]}` (`own`: the project's code, not the interpreter's or an
+        installed package's), the training thread first; stepwatch's own threads and frames left out.
+        At most MAX_THREADS threads of MAX_THREAD_FRAMES frames each (faulthandler itself stops at 100
+        threads and 100 frames)."""
+        names = {t.ident: t.name for t in threading.enumerate()}
+        out: list[dict[str, Any]] = []
+        for block in self._dump().split("\n\n"):
+            lines = block.strip("\n").split("\n")
+            if not lines or not lines[0].startswith(THREAD_PREFIX):
+                continue
+            ident = _ident(lines[0])
+            name = names.get(ident, "?") if ident is not None else "?"
+            if name.startswith("stepwatch-"):
+                continue
+            frames = []
+            for line in lines[1:]:
+                frame = parse_frame_line(line)
+                if frame is None:
+                    continue
+                path, number, function = frame
+                module = self._module_of(path)
+                if _own(module, path):
+                    continue
+                own = not path.startswith(LIBRARY_DIRS) and not path.startswith("<")
+                frames.append(
+                    {"module": module, "function": function[:MAX_FRAME_CHARS], "file": path[-MAX_FRAME_CHARS:],
+                     "line": number, "own": own}
+                )  # fmt: skip
+                if len(frames) >= MAX_THREAD_FRAMES:
+                    break
+            out.append({"name": name[:MAX_FRAME_CHARS], "training": ident == training, "frames": frames})
+        out.sort(key=lambda t: not t["training"])
+        return out[:MAX_THREADS]
 
     def close(self) -> None:
         with self._lock:

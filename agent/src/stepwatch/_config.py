@@ -49,6 +49,7 @@ OPTION_NAMES = (
     "enabled",
     "start_step",
     "report_stack",
+    "commands",
 )
 
 
@@ -73,6 +74,7 @@ class Config:
     timeout_s: float = REQUEST_TIMEOUT_S
     start_step: int | None = None  # None: from the optimizer's own state (a resumed run), else 0
     report_stack: bool = True  # heartbeats carry the training thread's function names (module:function)
+    commands: bool = True  # the collector may ask for evidence (every thread's stack) in its answers
     flush_given: bool = False  # flush_interval_s / heartbeat_interval_s were set (else: by world size)
     heartbeat_given: bool = False
 
@@ -217,9 +219,10 @@ def build_config(
         )
     if options.get("start_step") is not None:
         kw["start_step"] = _int("start_step", options["start_step"], 0)
-    for name in ("enabled", "report_stack"):
+    for name in ("enabled", "report_stack", "commands"):
         if name in options and not isinstance(options[name], bool):
             raise ValueError(f"stepwatch: option {name}={options[name]!r} must be True or False")
-    if "report_stack" in options:
-        kw["report_stack"] = options["report_stack"]
+    for name in ("report_stack", "commands"):
+        if name in options:
+            kw[name] = options[name]
     return Config(run=run, url=url, token=token, **kw)

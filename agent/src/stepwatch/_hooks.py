@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import _profile
 from ._capacity import device_capacity_mb
 from ._config import Config
 from ._device import (
@@ -192,6 +193,7 @@ class Hooks:
         self._prev_end = self._mark()
         self._last_transfer = self._prev_end_host
         self._paused = 0
+        self._profiling: _profile.Profiling | None = None  # a profile command under way
         self._handles: list[Any] = []
         self._bad_names: set[str] = set()
         self._good_names: set[str] = set()
@@ -459,10 +461,30 @@ class Hooks:
             self._prev_end, self._prev_end_host = end, end_host
             self._done = (cur, self._step, ts, prev_end, end)
             self._cur = self._new_step()
-            self.live.last_step = self._step
-            self.live.phase = "data"
+            live = self.live
+            live.last_step = self._step
+            live.phase = "data"
+            if self._profiling is not None or live.profile_request is not None:
+                self._profile_step()
         except Exception as exc:
             self.guard.fail("steps", exc)
+
+    def _profile_step(self) -> None:
+        """A `profile` command (_profile.py): start tracing at this step's end, or count a traced step."""
+        live = self.live
+        if self._profiling is None:
+            assert live.profile_request is not None
+            (cid, steps), live.profile_request = live.profile_request, None
+            started = _profile.start(cid, steps, self.cuda)
+            if isinstance(started, _profile.Finished):
+                live.profile_done = started
+            else:
+                self._profiling = started
+            return
+        finished = _profile.step_ended(self._profiling)
+        if finished is not None:
+            self._profiling = None
+            live.profile_done = finished
 
     def flush(self) -> None:
         """The queued outputs of tracked modules -> one max |x| per call, in one fused reduction."""

@@ -22,6 +22,10 @@ class Live:
     transfer_requested: bool = False
     forwards: int = 0
     nograd_forwards: int = 0
+    # A `profile` command (_commands.py): (command id, steps) asked by the sender; the training thread's
+    # hooks trace that many whole steps (_profile.py) and leave the finished profiler in `profile_done`.
+    profile_request: tuple[int, int] | None = None
+    profile_done: Any = None
 
 
 @dataclass(slots=True)

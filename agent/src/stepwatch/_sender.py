@@ -9,9 +9,11 @@ import threading
 import time
 import uuid
 from typing import Any
+from urllib.parse import urlencode
 
 from . import _batch
 from ._activity import StackReader
+from ._commands import Commands
 from ._config import Config
 from ._guard import Counters, Guard
 from ._identity import Identity
@@ -52,6 +54,7 @@ class Sender:
         # The thread whose stack heartbeats report: the one that called attach() (the training loop's).
         self._training_thread = training_thread if config.report_stack else None
         self._stacks = StackReader()
+        self.commands = Commands(config.commands, self._stacks, training_thread, live)
         self.session = uuid.uuid4().hex
         self._started_ns = time.time_ns()
         self._seq = 0
@@ -158,6 +161,10 @@ class Sender:
             self._events.extend(events)
 
     def _cycle(self) -> None:
+        self._send_cycle()
+        self._carry_out_commands()  # every cycle: those the answers just brought, and a finished profile
+
+    def _send_cycle(self) -> None:
         now = time.monotonic()
         self._take_ready()
         if len(self.spool) and now >= self._next_replay:
@@ -175,6 +182,56 @@ class Sender:
             if self._heartbeat() and len(self.spool):
                 self._replay_attempt = 0
                 self._replay(deadline=None)
+
+    def _carry_out_commands(self) -> None:
+        """The collector's commands taken from its answers (_commands.py), one after the other; each
+        result posted once (the collector asks again when it stays without one)."""
+        while (command := self.commands.take()) is not None:
+            cid, kind, args = command
+            outcome = self.commands.carry_out(cid, kind, args)
+            if outcome is not None:  # None: a profile, under way on the training thread
+                self._post_outcome(cid, kind, outcome)
+        done = self.live.profile_done
+        if done is not None:
+            self.live.profile_done = None
+            self._post_profile(done)
+
+    def _post_outcome(self, cid: int, kind: str, outcome: dict[str, Any]) -> None:
+        body = _batch.encode(
+            {
+                "run": self.config.run,
+                "rank": self._head["rank"],
+                "session": self.session,
+                "kind": kind,
+                **outcome,
+            }
+        )
+        end = time.monotonic() + BATCH_DEADLINE_FACTOR * self.config.timeout_s
+        result = self._transport.post(body, end, endpoint=f"commands/{cid}/results")
+        self.counters.add("commands" if result.outcome is Outcome.SENT else "command_failures")
+        if result.outcome is Outcome.SENT:
+            self.commands.offer(result.answer)
+
+    def _post_profile(self, done: Any) -> None:
+        """A finished profile (_profile.py): its trace uploaded first, then the result that points to it."""
+        from . import _profile  # imports torch: only ever reached once a profile ran
+
+        if done.error is not None:
+            self._post_outcome(done.command_id, "profile", {"status": "failed", "message": done.error})
+            return
+        try:
+            result, trace = _profile.summarise(done)
+        except Exception as exc:
+            message = f"the trace could not be exported: {type(exc).__name__}: {exc}"[:500]
+            self._post_outcome(done.command_id, "profile", {"status": "failed", "message": message})
+            return
+        if trace is not None:
+            query = urlencode({"run": self.config.run, "rank": self._head["rank"]})
+            end = time.monotonic() + BATCH_DEADLINE_FACTOR * self.config.timeout_s
+            sent = self._transport.post(trace, end, endpoint=f"commands/{done.command_id}/artifacts?{query}")
+            if sent.outcome is not Outcome.SENT:
+                result["trace_dropped"] = f"the upload failed: {sent.message}"[:300]
+        self._post_outcome(done.command_id, "profile", {"status": "done", "result": result})
 
     def _final_cycle(self) -> None:
         deadline = self._close_deadline
@@ -233,6 +290,7 @@ class Sender:
             )
             result = self._transport.post(body, end, closing=deadline is not None)
             if result.outcome is Outcome.SENT:
+                self.commands.offer(result.answer)
                 self.counters.add("sent_batches")
                 self.counters.add("sent_steps", n)
             elif result.outcome is Outcome.REJECTED:
@@ -266,6 +324,7 @@ class Sender:
             self.spool.remove(name)
             self._replay_attempt = 0
             if result.outcome is Outcome.SENT:
+                self.commands.offer(result.answer)
                 self.counters.add("replayed_batches")
                 self.counters.add("sent_batches")
             else:
@@ -287,6 +346,7 @@ class Sender:
         timeout = min(self.config.timeout_s, self.config.heartbeat_interval_s)
         result = self._transport.post_once(body, timeout)  # stale heartbeats are worthless: one try, no spool
         if result.outcome is Outcome.SENT:
+            self.commands.offer(result.answer)
             self.counters.add("heartbeats")
             return True
         self.counters.add("heartbeat_failures")

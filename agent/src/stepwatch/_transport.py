@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 from ._guard import Counters
@@ -41,6 +42,7 @@ class Result:
     message: str = ""
     retry_after_s: float | None = None
     location: str | None = None  # where a redirect points
+    answer: dict[str, Any] | None = None  # the acknowledgement (SENT): commands for this rank ride on it
 
     @property
     def server_error(self) -> bool:
@@ -50,13 +52,13 @@ class Result:
         return self.status is not None and self.status >= 500 and self.status not in RETRY_STATUSES
 
 
-def _acknowledged(body: bytes) -> bool:
-    """The documented acknowledgement (docs/ingest.md): a JSON object with `"accepted": true`."""
+def _acknowledged(body: bytes) -> dict[str, Any] | None:
+    """The documented acknowledgement (docs/ingest.md), a JSON object with `"accepted": true`; else None."""
     try:
         answer = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
-        return False
-    return isinstance(answer, dict) and answer.get("accepted") is True
+        return None
+    return answer if isinstance(answer, dict) and answer.get("accepted") is True else None
 
 
 def backoff_s(attempt: int) -> float:
@@ -143,6 +145,7 @@ class Transport:
         self._host = parts.hostname or "127.0.0.1"
         self._port = parts.port
         self._path = parts.path
+        self._api = parts.path.removesuffix("/ingest")  # the API's root, for the other endpoints
 
     def _fail_over(self) -> None:
         """The next URL, for the next attempt (a no-op with one)."""
@@ -168,19 +171,20 @@ class Transport:
         if conn is not None:
             conn.close()
 
-    def post_once(self, body: bytes, timeout_s: float) -> Result:
+    def post_once(self, body: bytes, timeout_s: float, endpoint: str | None = None) -> Result:
         """One request (two when a kept-alive connection turns out closed), over within `timeout_s` in
         all: a socket timeout bounds each read, and a watchdog shuts the socket down at the deadline,
         so that a collector answering a byte at a time cannot hold the sender. No answer, or a
-        502/503/504: the next attempt goes to the next URL."""
-        result = self._post_once(body, timeout_s)
+        502/503/504: the next attempt goes to the next URL. `endpoint`: a path under the API's root
+        (`/api/v1`) instead of ingest."""
+        result = self._post_once(body, timeout_s, endpoint)
         if result.outcome is Outcome.UNAVAILABLE and (
             result.status is None or result.status in FAILOVER_STATUSES
         ):
             self._fail_over()
         return result
 
-    def _post_once(self, body: bytes, timeout_s: float) -> Result:
+    def _post_once(self, body: bytes, timeout_s: float, endpoint: str | None = None) -> Result:
         timeout_s = max(0.05, timeout_s)
         end = time.monotonic() + timeout_s
         for attempt in range(2):
@@ -191,7 +195,8 @@ class Transport:
             watchdog.daemon = True
             watchdog.start()
             try:
-                conn.request("POST", self._path, body=body, headers=self._headers)
+                path = self._path if endpoint is None else f"{self._api}/{endpoint}"
+                conn.request("POST", path, body=body, headers=self._headers)
                 if conn.sock is not None:
                     sent_on.append(conn.sock)
                 answer = conn.getresponse()
@@ -202,11 +207,11 @@ class Transport:
                         Outcome.UNAVAILABLE, None, f"timed out: no whole answer within {timeout_s:.1f} s"
                     )
                 status = answer.status
-                ok = 200 <= status < 300 and _acknowledged(data)
-                if not ok or answer.will_close or not answer.isclosed():
+                ack = _acknowledged(data) if 200 <= status < 300 else None
+                if ack is None or answer.will_close or not answer.isclosed():
                     self.close()  # a failure, a closing answer, or one longer than we read
-                if ok:
-                    return Result(Outcome.SENT, status)
+                if ack is not None:
+                    return Result(Outcome.SENT, status, answer=ack)
                 if 200 <= status < 300:
                     return Result(
                         Outcome.UNAVAILABLE, status, f"{status} but no acknowledgement: {_excerpt(data)}"
@@ -240,13 +245,20 @@ class Transport:
                 watchdog.cancel()
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def post(self, body: bytes, deadline: float, retry: bool = True, closing: bool = False) -> Result:
+    def post(
+        self,
+        body: bytes,
+        deadline: float,
+        retry: bool = True,
+        closing: bool = False,
+        endpoint: str | None = None,
+    ) -> Result:
         """Send until acknowledged, rejected or the deadline. Backoff sleeps end early when `stop` is
         set, except while closing: then `deadline` is close()'s own and bounds every sleep."""
         attempt = 0
         while True:
             remaining = deadline - time.monotonic()
-            result = self.post_once(body, min(self.timeout_s, remaining))
+            result = self.post_once(body, min(self.timeout_s, remaining), endpoint)
             if result.outcome is not Outcome.UNAVAILABLE or not retry:
                 return result
             # 500 and other unexpected 5xx: a server bug is not fixed by hammering; keep the batch.
