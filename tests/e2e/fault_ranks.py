@@ -7,6 +7,9 @@
 - `slow_forward`: the `slow` module, which on every rank waits `DEVICE_FORWARD_S` (a device's compute
   time), sleeps `SLOW_FORWARD_S` longer (the rank computes slower; the others wait for it in the gradient
   all-reduce inside backward);
+- `slow_op`: like `slow_forward`, but the extra time is a real operator: the faulty rank's `slow` module
+  computes `torch.cdist` of two (HEAVY_ROWS x 64) matrices (~20 ms on one CPU thread) in its forward, so that a
+  profiler trace names it (tests/e2e/test_commands.py);
 - `stop`: the rank stops stepping (sleeps before its next forward until the deadline); the others block in
   their all-reduce;
 - `nan`: the `poison` module returns NaN; like a mixed-precision loop, every rank skips the optimizer step
@@ -17,6 +20,8 @@
 - `eval`: an evaluation nobody marked with `watch.phase`: at step S every rank (whatever F) runs forwards of
   the DDP model under `torch.no_grad()` for `--pause-s` seconds, all-reduces its eval loss, and trains on;
 - `none`: no fault (a healthy run);
+- `slow_fetch`: rank F's data loader blocks inside `slow_fetch()` from step S on (until the deadline), while
+  the others wait for it in their all-reduce (tests/e2e/test_commands.py reads every rank's stacks);
 - `checkpoint`: a checkpoint nobody marked: at step S rank F spends `--pause-s` seconds inside `torch.save`
   (to a file object whose first `write` waits that long), while the others wait for it in `dist.barrier()`.
 
@@ -48,6 +53,7 @@ WIDTH = 64
 BATCH = 32
 LEAK_FLOATS_PER_STEP = 1 << 18  # 1 MB of float32 kept per step
 SLOW_FORWARD_S = 0.02
+HEAVY_ROWS = 700
 # Every rank's forward also waits this long, standing for a device's steady compute time: a bare CPU forward
 # of this tiny MLP takes ~0.7 ms, and on a loaded 2-core machine its scheduler jitter (p90 2.2 ms) made the
 # healthy ranks' forward ratios as noisy as a straggler's clipped signal (the straggler test failed 1 run in
@@ -65,10 +71,14 @@ class Fault(torch.nn.Module):
         super().__init__()
         self.kind = kind
         self.active = False
+        self.heavy: torch.Tensor | None = None  # slow_op: the operands of the extra operator
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "slow_forward":
-            time.sleep(DEVICE_FORWARD_S + (SLOW_FORWARD_S if self.active else 0.0))
+            time.sleep(DEVICE_FORWARD_S + (SLOW_FORWARD_S if self.active and self.heavy is None else 0.0))
+            if self.active and self.heavy is not None:
+                # a real operator, slow, whose time is its own (no matmul inside): what the trace must name
+                torch.cdist(self.heavy, self.heavy, compute_mode="donot_use_mm_for_euclid_dist")
             return x
         if not self.active:
             return x
@@ -99,6 +109,12 @@ def unmarked_eval(ddp: torch.nn.Module, pause_s: float, deadline: float, gen: to
             n += 1
             time.sleep(EVAL_BATCH_PAUSE_S)
     dist.all_reduce(total)
+
+
+def slow_fetch(deadline: float) -> None:
+    """A data loader's fetch that never returns (until the process's deadline)."""
+    while time.monotonic() < deadline:
+        time.sleep(SLEEP_SLICE_S)
 
 
 def build_model() -> torch.nn.Sequential:
@@ -175,9 +191,14 @@ def main(argv: list[str] | None = None) -> None:
                 while time.monotonic() < deadline:  # stuck before its forward: never steps again
                     time.sleep(0.2)
                 break
+            if a.fault == "slow_fetch":
+                slow_fetch(deadline)
+                break
             if a.fault == "leak":
                 kept.append(torch.ones(LEAK_FLOATS_PER_STEP))
-            model.slow.active = a.fault == "slow_forward"
+            model.slow.active = a.fault in ("slow_forward", "slow_op")
+            if a.fault == "slow_op" and model.slow.heavy is None:
+                model.slow.heavy = torch.randn(HEAVY_ROWS, 64, generator=torch.Generator().manual_seed(0))
             model.poison.active = a.fault == "nan"
         slow_data = faulty and a.fault == "slow_data" and step >= a.fault_step
         time.sleep((a.fault_data_ms if slow_data else a.data_ms) / 1000)

@@ -30,6 +30,9 @@ from stepwatch_server.alerts.routes import router as alerts_router
 from stepwatch_server.alerts.worker import AlertWorker
 from stepwatch_server.asgi import CollectorApp
 from stepwatch_server.background import BackgroundWorker
+from stepwatch_server.commands.pending import PendingCommands
+from stepwatch_server.commands.routes import read_router as commands_router
+from stepwatch_server.commands.routes import write_router as commands_write_router
 from stepwatch_server.dashboard.routes import router as dashboard_router
 from stepwatch_server.detect.engine import EngineSettings
 from stepwatch_server.detect.routes import router as detect_router
@@ -79,6 +82,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 if not settings.detection:
                     log.warning("alerts are configured but detection is off: nothing will be alerted")
             app.state.live = live.LiveFeed(engine, app.state.stopping)
+            app.state.commands = PendingCommands(engine).start()
+            started.append(app.state.commands)
             app.state.rollups = RollupWorker(engine).start()
             started.append(app.state.rollups)
             if settings.raw_retention_days is not None or settings.run_retention_days is not None:
@@ -162,6 +167,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.live = None
     app.state.metric_collectors = []  # more Prometheus collectors for /metrics (the bus's, with --bus)
     app.state.ingest = None
+    app.state.commands = None
     app.state.stopping = threading.Event()  # set by serving.py as shutdown begins: endless responses end
     app.state.policy = auth.Policy.from_settings(settings)
     install_error_handlers(app)
@@ -174,10 +180,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(router, dependencies=[Depends(check)], responses=auth.READ_RESPONSES)
 
     app.include_router(ingest_router)
+    app.include_router(commands_write_router)  # before runs: `/runs/{run:path}` would take `.../commands`
     app.include_router(runs_write_router)  # DELETE /api/v1/runs/{run}: checks its write token itself
     app.include_router(auth.router)  # the dashboard's login: a cookie for reads
     reads(detect_router)  # before runs: `/runs/{run:path}` would take `/runs/x/anomalies`
     reads(dashboard_router)  # before runs, for the same reason
+    reads(commands_router)  # before runs, for the same reason
     reads(live.router)
     app.include_router(pages.router)
     pages.mount_static(app)

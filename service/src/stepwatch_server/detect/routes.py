@@ -15,6 +15,7 @@ reasons but leaves the verdict ok.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 import numpy as np
@@ -32,7 +33,7 @@ from stepwatch_server.params import Conn
 from stepwatch_server.responses import json_response, nonfinite_name
 from stepwatch_server.runs import queries
 from stepwatch_server.storage.models import Anomaly as AnomalyRow
-from stepwatch_server.storage.models import Rank, Run
+from stepwatch_server.storage.models import Command, Rank, Run
 
 router = APIRouter(prefix="/api/v1", tags=["detection"])
 
@@ -87,6 +88,20 @@ def _shape(row: Any, run: str) -> dict[str, Any]:
     }
 
 
+def _shaped(conn: Connection, rows: Sequence[Any]) -> list[dict[str, Any]]:
+    """The rows as answered, each with the commands asked at it (`commands`: evidence, commands/)."""
+    asked: dict[int | None, list[dict[str, Any]]] = {}
+    if rows:
+        found = conn.execute(
+            select(Command.anomaly_id, Command.id, Command.kind)
+            .where(Command.anomaly_id.in_([r.id for r in rows]))
+            .order_by(Command.id)
+        )
+        for row in found:
+            asked.setdefault(row.anomaly_id, []).append({"id": row.id, "kind": row.kind})
+    return [{**_shape(r, r.run_name), "commands": asked.get(r.id, [])} for r in rows]
+
+
 def _select(run_id: int | None, status: str | None, kind: str | None, limit: int, runs: Any = None) -> Any:
     """`runs`: a WHERE clause on the run's name (a reader's scope), or None for every run."""
     stmt = select(*AnomalyRow.__table__.c, Run.name.label("run_name")).join(Run, Run.id == AnomalyRow.run_id)
@@ -116,7 +131,7 @@ def run_anomalies(
     status, kind = _choice("status", status, STATUSES), _choice("kind", kind, KINDS)
     found = queries.find_run(conn, run)
     rows = conn.execute(_select(found.id, status, kind, limit)).all()
-    return json_response({"run": found.name, "anomalies": [_shape(r, r.run_name) for r in rows]})
+    return json_response({"run": found.name, "anomalies": _shaped(conn, rows)})
 
 
 @router.get(
@@ -133,7 +148,7 @@ def all_anomalies(
 ) -> Response:
     status, kind = _choice("status", status, STATUSES), _choice("kind", kind, KINDS)
     rows = conn.execute(_select(None, status, kind, limit, reader.runs_clause(Run.name))).all()
-    return json_response({"anomalies": [_shape(r, r.run_name) for r in rows]})
+    return json_response({"anomalies": _shaped(conn, rows)})
 
 
 def _reason(row: Any) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from sqlalchemy import Connection, Engine, Table, select, tuple_
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
+from stepwatch_server.commands.at_verdicts import ask_at_verdicts
 from stepwatch_server.detect.anomalies import Anomaly
 from stepwatch_server.responses import nonfinite_name
 from stepwatch_server.storage.engine import write_transaction
@@ -141,17 +142,16 @@ def save_anomalies(
                 on_missing(missing)
         if rows:
             keys = [tuple(row[k] for k in _KEY) for row in rows]
-            before = _states(conn, keys) if on_stored is not None else {}
+            before = _states(conn, keys)
             conn.execute(_upsert(conn), rows)
+            after = _states(conn, keys)
+            stored = [
+                Stored(a, after[key][0], key[0], *before.get(key, (0, None, None))[1:])
+                for a, key in zip(kept, keys, strict=True)
+            ]
+            ask_at_verdicts(conn, stored)  # evidence (every rank's stacks at a hang) while it is there
             if on_stored is not None:
-                after = _states(conn, keys)
-                on_stored(
-                    conn,
-                    [
-                        Stored(a, after[key][0], key[0], *before.get(key, (0, None, None))[1:])
-                        for a, key in zip(kept, keys, strict=True)
-                    ],
-                )
+                on_stored(conn, stored)
     return len(rows)
 
 

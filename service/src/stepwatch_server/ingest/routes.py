@@ -52,6 +52,7 @@ class IngestAnswer(BaseModel):
     rows: int  # values stored; 0 for a batch sent again
     duplicates: int  # values already stored from an earlier copy of the batch
     incarnation: int | None
+    commands: list[dict[str, Any]] | None = None  # evidence asked of this rank (commands/), when any
 
 
 _STEP = {"type": "integer", "minimum": 0, "maximum": MAX_STEP}
@@ -170,4 +171,8 @@ async def ingest(request: Request) -> Response:
         raise
     await _after_commit(request, batch, result)
     ingest_accepted(len(raw), result.rows, result.duplicate, time.perf_counter() - started)
-    return json_response(result.answer())
+    answer = result.answer()
+    commands = request.app.state.commands
+    if commands is not None and (asked := commands.for_rank(batch.run, batch.rank)):
+        answer["commands"] = asked  # the command channel (commands/): no inbound connection to a rank
+    return json_response(answer)

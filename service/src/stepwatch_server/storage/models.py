@@ -321,6 +321,62 @@ class Anomaly(Base):
     updated_at: Mapped[dt.datetime]
 
 
+class Command(Base):
+    """Evidence asked of a run's ranks (stepwatch_server/commands/): the collector puts it on its answers
+    to their batches and heartbeats until each rank posted a result (`command_results`) or `expires_at`
+    passed (then that rank's status reads "no answer"). `targets`: the ranks asked, or None for every rank
+    of the run (`ranks` of them when asked); `args`: the kind's arguments (a profile's `steps`).
+    `requested_by`: the token's name, or "detection" for one asked at a verdict (`anomaly_id`)."""
+
+    __tablename__ = "commands"
+    __table_args__ = (Index("ix_commands_run_id_created_at", "run_id", "created_at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(32))
+    targets: Mapped[list[int] | None] = mapped_column(JsonType)
+    ranks: Mapped[int]
+    args: Mapped[dict[str, Any]]
+    requested_by: Mapped[str] = mapped_column(String(200))
+    reason: Mapped[str] = mapped_column(String(200))
+    anomaly_id: Mapped[int | None]
+    created_at: Mapped[dt.datetime]
+    expires_at: Mapped[dt.datetime]
+
+
+class CommandResult(Base):
+    """One rank's answer to a command: `done` with its `result` (JSON), or `refused` / `failed` with a
+    `message`. The first answer of a rank counts."""
+
+    __tablename__ = "command_results"
+
+    command_id: Mapped[int] = mapped_column(
+        ForeignKey("commands.id", ondelete="CASCADE"), primary_key=True, autoincrement=False
+    )
+    rank: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    session: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16))
+    message: Mapped[str] = mapped_column(Text)
+    result: Mapped[dict[str, Any] | None]
+    received_at: Mapped[dt.datetime]
+
+
+class CommandArtifact(Base):
+    """A file a rank uploaded for a command (a profile's Chrome trace, gzip), at most one per rank."""
+
+    __tablename__ = "command_artifacts"
+
+    command_id: Mapped[int] = mapped_column(
+        ForeignKey("commands.id", ondelete="CASCADE"), primary_key=True, autoincrement=False
+    )
+    rank: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    size: Mapped[int]  # bytes
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+    received_at: Mapped[dt.datetime]
+
+
 class AlertEvent(Base):
     """One anomaly transition (open, escalate, resolve) routed to one alert channel (alerts/outbox.py).
 

@@ -1,0 +1,255 @@
+"""The commands API (docs/api.md, "Commands"): ask a run's ranks for evidence, read their answers, and the
+agents' endpoint for those answers.
+
+`write_router` (a write token for the run): `POST /api/v1/runs/{run}/commands` asks, `POST
+/api/v1/commands/{id}/results` is where an agent answers. `read_router` (behind the read check): the run's
+recent commands, and one command with each rank's status and the stacks grouped (stacks.py). The
+collector never connects to a rank: ingest puts the pending commands on its answers (pending.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Annotated, Any, Literal
+from urllib.parse import quote
+
+from fastapi import APIRouter, Depends, Query, Request
+from pydantic import BaseModel, Field
+from sqlalchemy import select
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import Response
+
+from stepwatch_server.auth import Grant, check_write, write_access
+from stepwatch_server.commands import profiles, stacks, store
+from stepwatch_server.errors import RUN_NOT_FOUND, InvalidBatch, InvalidParameter, NotFound
+from stepwatch_server.ingest.body import decode_body, read_body_bounded
+from stepwatch_server.ingest.schema import MAX_WORLD_SIZE
+from stepwatch_server.params import Conn
+from stepwatch_server.responses import json_response
+from stepwatch_server.runs import deletion
+from stepwatch_server.storage import write_transaction
+from stepwatch_server.storage.models import Anomaly
+
+log = logging.getLogger(__name__)
+write_router = APIRouter(prefix="/api/v1", tags=["commands"])
+read_router = APIRouter(prefix="/api/v1", tags=["commands"])
+STATUSES = ("done", "refused", "failed")
+
+
+MAX_PROFILED_RANKS = 8
+DEFAULT_PROFILE_STEPS = 5
+MAX_PROFILE_STEPS = 50
+
+
+class Ask(BaseModel):
+    kind: Literal["stacks", "profile"] = Field(
+        description="`stacks`: every thread's Python stack; `profile`: a torch.profiler trace of `steps` steps"
+    )
+    ranks: list[Annotated[int, Field(ge=0, lt=MAX_WORLD_SIZE)]] | None = Field(
+        None, description="the ranks asked; omitted: every rank (stacks only)", max_length=MAX_WORLD_SIZE
+    )
+    steps: int = Field(DEFAULT_PROFILE_STEPS, ge=1, le=MAX_PROFILE_STEPS, description="profile: steps traced")
+    answer_within_s: float = Field(
+        store.ANSWER_WITHIN_S, ge=1, le=3600, description="a rank without an answer by then reads `no answer`"
+    )
+
+    def checked(self) -> tuple[list[int] | None, dict[str, Any]]:
+        """(targets, args), or InvalidParameter naming the field."""
+        if self.kind == "stacks":
+            return self.ranks, {}
+        if not self.ranks or len(self.ranks) > MAX_PROFILED_RANKS:
+            raise InvalidParameter(
+                f"ranks: a profile needs 1-{MAX_PROFILED_RANKS} ranks, e.g. [37, 12] (a straggler and a peer)",
+                field="ranks",
+            )
+        return self.ranks, {"steps": self.steps}
+
+
+def _requester(grant: Grant | None) -> str:
+    return f"token {grant.name}" if grant is not None else "anonymous (no tokens configured)"
+
+
+def ask_sync(request: Request, run: str, ask: Ask, requested_by: str, reason: str) -> dict[str, Any]:
+    with write_transaction(request.app.state.engine) as conn:
+        found = deletion.find(conn, run)
+        if found is None:
+            raise NotFound(f"run {run!r} not found; GET /api/v1/runs lists the runs", field="run")
+        targets, args = ask.checked()
+        cid = store.ask(
+            conn, found.id, ask.kind, targets, args, requested_by, reason, None, ask.answer_within_s
+        )
+        command = store.find(conn, cid)
+    assert command is not None
+    row = command[0]
+    pending = request.app.state.commands
+    if pending is not None:
+        pending.asked(store.asked(row, run))
+    who = "every rank" if targets is None else f"ranks {targets}"
+    log.info("command %d (%s) asked of run %r, %s, by %s", cid, ask.kind, run, who, requested_by)
+    return _command(row)
+
+
+def _command(row: Any) -> dict[str, Any]:
+    return {
+        "id": row.id, "kind": row.kind, "targets": row.targets, "ranks": row.ranks, "args": row.args,
+        "requested_by": row.requested_by,
+        "reason": row.reason, "anomaly_id": row.anomaly_id, "created_at": row.created_at.isoformat(),
+        "expires_at": row.expires_at.isoformat(),
+    }  # fmt: skip
+
+
+@write_router.post(
+    "/runs/{run:path}/commands",
+    summary="Ask a run's ranks for evidence (every thread's stack); answered through their agents",
+    status_code=202,
+    responses={**RUN_NOT_FOUND},
+)
+async def ask_command(
+    run: str, ask: Ask, request: Request, grant: Annotated[Grant | None, Depends(write_access)]
+) -> Response:
+    """Stored at once; each rank's agent gets it on the answer to its next batch or heartbeat (within its
+    heartbeat interval) and posts its result; `GET .../commands/{id}` reads them. A rank that has not
+    answered within `answer_within_s` (default 60 s) reads "no answer"."""
+    check_write(grant, run)
+    answer = await run_in_threadpool(ask_sync, request, run, ask, _requester(grant), "asked through the API")
+    return json_response(answer, status=202)
+
+
+@write_router.post(
+    "/commands/{command_id}/results", summary="An agent's answer to a command (the agent sends it)"
+)
+async def post_result(
+    command_id: int, request: Request, grant: Annotated[Grant | None, Depends(write_access)]
+) -> Response:
+    settings = request.app.state.settings
+    raw = await read_body_bounded(request, settings.max_batch_bytes)
+    doc = decode_body(raw, request.headers.get("content-encoding"), settings.max_batch_bytes)
+    if not isinstance(doc, dict):
+        raise InvalidBatch("the body must be a JSON object", field="body")
+    run, rank, session, status = doc.get("run"), doc.get("rank"), doc.get("session"), doc.get("status")
+    if not isinstance(run, str):
+        raise InvalidBatch("run: expected the run's name", field="run")
+    check_write(grant, run)
+    if type(rank) is not int or not 0 <= rank < MAX_WORLD_SIZE:
+        raise InvalidBatch("rank: expected the answering rank's number", field="rank")
+    if status not in STATUSES:
+        raise InvalidBatch(f"status: expected one of {', '.join(STATUSES)}", field="status")
+    result = doc.get("result")
+    if result is not None and (
+        not isinstance(result, dict) or len(json.dumps(result)) > store.MAX_RESULT_BYTES
+    ):
+        raise InvalidBatch(
+            f"result: expected a JSON object of at most {store.MAX_RESULT_BYTES} bytes", field="result"
+        )
+    message = str(doc.get("message") or "")[:2000]
+    session = str(session or "")[:64]
+
+    def write() -> bool:
+        with write_transaction(request.app.state.engine) as conn:
+            found = store.find(conn, command_id)
+            if found is None or found[1] != run:
+                raise NotFound(f"command {command_id} of run {run!r} not found", field="command_id")
+            return store.answer(conn, found[0], rank, session, status, message, result)
+
+    first = await run_in_threadpool(write)
+    pending = request.app.state.commands
+    if pending is not None:
+        pending.answered(run, command_id, rank)
+    answer: dict[str, Any] = {"accepted": True, "first": first}
+    if pending is not None and (more := pending.for_rank(run, rank)):
+        answer["commands"] = more
+    return json_response(answer)
+
+
+@read_router.get(
+    "/runs/{run:path}/commands/{command_id}", summary="One command: each rank's answer, stacks grouped"
+)
+def read_command(run: str, command_id: int, conn: Conn) -> Response:
+    """Per rank: `done`, `refused` or `failed` (with its message), `waiting` (not answered yet) or `no answer`
+    (none within the command's time); the `done` stacks grouped by the training thread's frames, smallest
+    group first, the blamed rank's (a command asked at a verdict) before all."""
+    found = store.find(conn, command_id)
+    if found is None or found[1] != run:
+        raise NotFound(f"command {command_id} of run {run!r} not found", field="command_id")
+    row = found[0]
+    answers = {r.rank: r for r in store.results(conn, command_id)}
+    asked = list(row.targets) if row.targets is not None else store.run_ranks(conn, row.run_id)
+    expired = row.expires_at <= store.now()
+    ranks = []
+    for rank in sorted(set(asked) | set(answers)):
+        got = answers.get(rank)
+        if got is None:
+            ranks.append({"rank": rank, "status": "no answer" if expired else "waiting"})
+        else:
+            ranks.append({"rank": rank, "status": got.status, "message": got.message or None,
+                          "received_at": got.received_at.isoformat()})  # fmt: skip
+    done = [(r, answers[r].result) for r in sorted(answers) if answers[r].status == "done"]
+    blamed = _blamed(conn, row.anomaly_id)
+    answer: dict[str, Any] = {**_command(row), "blamed_rank": blamed, "ranks": ranks}
+    if row.kind == "stacks":
+        answer["groups"] = stacks.group(done, blamed)
+    else:
+        sizes = store.artifact_sizes(conn, command_id)
+        base = f"/api/v1/runs/{quote(run, safe='/')}/commands/{command_id}/traces"
+        answer["traces"] = [{"rank": r, "bytes": n, "url": f"{base}/{r}"} for r, n in sorted(sizes.items())]
+        answer["comparison"] = profiles.compare(done, blamed)
+    answer["results"] = {str(r): result for r, result in done}
+    return json_response(answer)
+
+
+@read_router.get(
+    "/runs/{run:path}/commands/{command_id}/traces/{rank}",
+    summary="One rank's profiler trace of a `profile` command (Chrome trace JSON, gzip; opens in Perfetto)",
+)
+def read_trace(run: str, command_id: int, rank: int, conn: Conn) -> Response:
+    found = store.find(conn, command_id)
+    data = store.artifact(conn, command_id, rank) if found is not None and found[1] == run else None
+    if data is None:
+        raise NotFound(f"no trace of rank {rank} for command {command_id} of run {run!r}", field="rank")
+    name = f"stepwatch-{command_id}-rank{rank}.json.gz"
+    headers = {"Content-Disposition": f'attachment; filename="{name}"'}
+    return Response(data, media_type="application/gzip", headers=headers)
+
+
+@write_router.post(
+    "/commands/{command_id}/artifacts",
+    summary="A rank's file for a command: its profiler trace (the agent sends it)",
+)
+async def post_artifact(
+    command_id: int,
+    request: Request,
+    grant: Annotated[Grant | None, Depends(write_access)],
+    run: Annotated[str, Query(description="the command's run")],
+    rank: Annotated[int, Query(ge=0, lt=MAX_WORLD_SIZE, description="the uploading rank")],
+) -> Response:
+    """The body is the file, gzip-compressed, as it is stored and served (at most 32 MiB)."""
+    check_write(grant, run)
+    data = await read_body_bounded(request, store.MAX_ARTIFACT_BYTES)
+    if data[:2] != b"\x1f\x8b":
+        raise InvalidBatch("body: expected a gzip file (the trace, compressed)", field="body")
+
+    def write() -> bool:
+        with write_transaction(request.app.state.engine) as conn:
+            found = store.find(conn, command_id)
+            if found is None or found[1] != run:
+                raise NotFound(f"command {command_id} of run {run!r} not found", field="command_id")
+            return store.store_artifact(conn, found[0], rank, data)
+
+    first = await run_in_threadpool(write)
+    return json_response({"accepted": True, "first": first, "bytes": len(data)})
+
+
+def _blamed(conn: Conn, anomaly_id: int | None) -> int | None:
+    if anomaly_id is None:
+        return None
+    rank = conn.execute(select(Anomaly.rank).where(Anomaly.id == anomaly_id)).scalar()
+    return None if rank is None else int(rank)
+
+
+@read_router.get("/runs/{run:path}/commands", summary="The run's recent commands (newest first)")
+def list_commands(run: str, conn: Conn) -> Response:
+    found = deletion.find(conn, run)
+    if found is None:
+        raise NotFound(f"run {run!r} not found; GET /api/v1/runs lists the runs", field="run")
+    return json_response({"commands": [_command(r) for r in store.listed(conn, found.id)]})
