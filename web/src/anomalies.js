@@ -1,5 +1,7 @@
 // One entry of a run's anomaly list: severity in words and glyph, kind, status, summary, who is blamed
-// and when, the evidence, and a button that takes every chart to its step (`onGoto`).
+// and when, the evidence (and what its ranks sent when asked: commands.js), and a button that takes every
+// chart to its step (`onGoto`).
+import { commandViews } from "./commands.js";
 import { badge, el, fmtInt, fmtNum } from "./format.js";
 
 export function anomalyItem(a, onGoto) {
@@ -13,7 +15,7 @@ export function anomalyItem(a, onGoto) {
     el("div", { class: "anomaly-actions" },
       el("button", { type: "button", class: "goto", onclick: () => onGoto(a) }, `Show step ${fmtInt(a.first_step)}`),
       el("a", { href: `#anomaly=${a.id}`, class: "permalink", onclick: (e) => { e.preventDefault(); onGoto(a); } }, "link"),
-      evidence(a.evidence)),
+      evidence(a.evidence), ...commandViews(a)),
   );
 }
 
