@@ -41,6 +41,7 @@ def test_import_needs_only_the_standard_library() -> None:
         assert not loaded, loaded
         w = stepwatch.NullWatch()
         w.log(loss=1.0)
+        w.identify(sample_ids=[1, 2])
         with w.phase("eval"):
             pass
         w.close()
@@ -166,6 +167,7 @@ def test_disabled_is_a_no_op(receiver: Receiver, monkeypatch: pytest.MonkeyPatch
     assert isinstance(watch, stepwatch.NullWatch)
     train(model, opt, 3)
     watch.log(loss=torch.tensor(1.0))
+    watch.identify(sample_ids=torch.arange(4))
     with watch.phase("eval"):
         pass
     assert watch.stats()["sent_batches"] == 0 and watch.step is None

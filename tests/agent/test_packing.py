@@ -78,7 +78,12 @@ def test_records_round_trip_through_one_tensor() -> None:
             "kind": "nonfinite",
             "data": {"module": "b", "where": ["activations", "loss"]},
         },
-        {"step": 14, "ts": 5.0, "kind": "nonfinite", "data": {"module": "b", "where": ["activations"]}},
+        {  # a sampled step: its values are max |x|, the first module's are sent (the first call: no input)
+            "step": 14,
+            "ts": 5.0,
+            "kind": "nonfinite",
+            "data": {"module": "b", "where": ["activations"], "output_amax": "NaN", "input_amax": None},
+        },
     ]
 
 

@@ -106,3 +106,14 @@ def test_skips_in_a_row_are_a_collapsing_loss_scale_not_a_critical_nan() -> None
     assert a.severity == "warning" and a.key == "run" and a.first_step == 32
     assert "loss scale" in a.summary and "skipped" in a.summary, a.summary
     assert a.evidence["skipped_steps"] >= 3
+
+
+def test_a_snapshot_pickled_before_the_first_step_context_existed_still_detects() -> None:
+    """The bus's snapshots (bus/worker.py) pickle the detectors; one stored by a worker of the previous
+    version has no `_contexts`, and the detector restored from it must go on (and keep contexts anew)."""
+    import pickle
+
+    detector = NonFiniteDetector.__new__(NonFiniteDetector)
+    detector.__dict__.update({"_modules": {}, "_steps": {}})
+    restored = pickle.loads(pickle.dumps(detector))
+    assert restored._contexts == {} and restored._modules == {}

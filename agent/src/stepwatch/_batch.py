@@ -138,6 +138,8 @@ class Decoder:
                 k += len(rec.log_names)
             row = Row(rec.step, rec.ts, m)
             first_bad: str | None = None
+            first_index = -1
+            amax = []
             k = rec.voffset
             calls = rec.amax_calls
             if calls:
@@ -145,8 +147,10 @@ class Decoder:
                 k += len(calls)
                 # A finite total: every call's max is finite (the common case: no per-call work).
                 if not math.isfinite(sum(amax)):
-                    i = next(j for j, a in enumerate(amax) if not math.isfinite(a))
-                    first_bad = rec.amax_names[calls[i]]  # the first module to go non-finite, in call order
+                    first_index = next(j for j, a in enumerate(amax) if not math.isfinite(a))
+                    first_bad = rec.amax_names[
+                        calls[first_index]
+                    ]  # the first module to go non-finite, in call order
                 if rec.ship_amax:
                     row.amax = _per_module(rec.amax_names, calls, amax)
                 m["nonfinite.activations"] = int(first_bad is not None)
@@ -163,15 +167,12 @@ class Decoder:
                 row.fingerprint = f"{mix64(w[0] | w[1] << 16 | w[2] << 32 | w[3] << 48):016x}"
             where_bad = [w for w in ("activations", "loss", "grads") if m[f"nonfinite.{w}"]]
             if where_bad and not self._in_nonfinite:
-                module = first_bad
-                events.append(
-                    {
-                        "step": rec.step,
-                        "ts": rec.ts,
-                        "kind": "nonfinite",
-                        "data": {"module": module, "where": where_bad},
-                    }
-                )
+                data: dict[str, Any] = {"module": first_bad, "where": where_bad}
+                if first_bad is not None and rec.amax_exact:
+                    data.update(_around(first_index, amax))
+                if rec.ids:
+                    data["ids"] = _bounded(rec.ids)
+                events.append({"step": rec.step, "ts": rec.ts, "kind": "nonfinite", "data": data})
             self._in_nonfinite = bool(where_bad)
             rows.append(row)
         if rows:
@@ -180,6 +181,29 @@ class Decoder:
             if capacity is not None:
                 last.setdefault("mem.capacity_mb", capacity)
         return rows, events
+
+
+MAX_IDS_CHARS = 3000  # watch.identify() values in one event, as JSON (the collector takes 4 KiB of data)
+
+
+def _around(i: int, amax: list[float]) -> dict[str, Value]:
+    """The first non-finite module's output max |x| and its input's: the call before it, in call order (a
+    layer's input is the previous layer's output in a sequential stack; none for the first call)."""
+    return {"output_amax": num(amax[i]), "input_amax": num(amax[i - 1]) if i > 0 else None}
+
+
+def _bounded(ids: dict[str, Any]) -> dict[str, Any]:
+    """watch.identify() values within MAX_IDS_CHARS of JSON: whole values in order, then the rest named."""
+    out: dict[str, Any] = {}
+    used = 0
+    for name, value in ids.items():
+        size = len(json.dumps(value)) + len(name) + 4
+        if used + size > MAX_IDS_CHARS:
+            out.setdefault("_dropped", []).append(name)
+            continue
+        out[name] = value
+        used += size
+    return out
 
 
 def _top_names(rows: list[Row]) -> list[str]:

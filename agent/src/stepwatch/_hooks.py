@@ -35,7 +35,16 @@ from ._device import (
 from ._guard import Guard
 from ._layout import Layout
 from ._records import Chunk, Live, StepRecord
-from ._step import Step, find_loss, first_tensor, log_one, resumed_step, valid_name, wire_names
+from ._step import (
+    Step,
+    find_loss,
+    first_tensor,
+    identity,
+    log_one,
+    resumed_step,
+    valid_name,
+    wire_names,
+)
 
 logger = logging.getLogger("stepwatch")
 
@@ -525,6 +534,7 @@ class Hooks:
                 self.guard.fail("fingerprint", exc)
         if self.cuda:
             rec.marks = (prev_end, cur.forwards, cur.opt_start, end)
+            rec.amax_exact = True  # the CUDA reductions take the max |x| on every step
         self._pending.append(rec)
 
     def transfer(self) -> None:
@@ -554,6 +564,22 @@ class Hooks:
                 if name not in self._bad_names and len(self._bad_names) < 100:
                     self._bad_names.add(name)
                     logger.warning("stepwatch: watch.log(%s=...) ignored: %s (logged once)", name, problem)
+
+    def identify(self, values: Mapping[str, Any]) -> None:
+        """watch.identify(): host values naming the data of the step in progress, or of the next one when
+        called between optimizer.step() and its forward (_step.identity)."""
+        target = self._cur
+        for name, value in values.items():
+            kept, problem = identity(name, value)
+            if problem is None:
+                if target.ids is None:
+                    target.ids = {}
+                target.ids[name] = kept
+                continue
+            self.guard.counters.add("rejected_log_values")
+            if name not in self._bad_names and len(self._bad_names) < 100:
+                self._bad_names.add(name)
+                logger.warning("stepwatch: watch.identify(%s=...) ignored: %s (logged once)", name, problem)
 
     def pause(self, paused: bool) -> None:
         """Entering or leaving a known pause (watch.phase): hand over what is finished."""

@@ -51,6 +51,8 @@ class StepRecord:
     amax_names: tuple[str, ...] = ()
     amax_calls: list[int] = field(default_factory=list)
     ship_amax: bool = False
+    amax_exact: bool = False  # every value of the first part is a max |x| (also where not shipped: CUDA)
+    ids: dict[str, Any] | None = None  # watch.identify(): sent only with the first non-finite step
     grad_names: tuple[str, ...] = ()
     fingerprint: bool = False
     loss_div: int = 1

@@ -6,6 +6,7 @@ Training thread only. Device values stay 0-dim device tensors in plain lists; no
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -95,6 +96,7 @@ class Step:
         "grads",
         "hook_names",
         "host",
+        "ids",
         "logs",
         "loss_n",
         "loss_sum",
@@ -126,6 +128,7 @@ class Step:
         self.hook_names: list[str] = []  # names of the device scalars from the hooks (grad_norm, lr)
         self.scalars: list[torch.Tensor] = []  # their 0-dim device values; becomes the record's list
         self.logs: dict[str, torch.Tensor] = {}  # 0-dim device values from watch.log()
+        self.ids: dict[str, Any] | None = None  # host values from watch.identify()
         self.host: dict[str, float | None] = {}  # host values: CPU timings, numbers, memory
         self.grads: tuple[torch.Tensor, tuple[str, ...]] | None = None  # per-parameter norms (sampled)
         self.loss_sum: torch.Tensor | None = None
@@ -142,7 +145,7 @@ class Step:
 
     def record(self, step: int, ts: float, order: tuple[str, ...]) -> StepRecord:
         """The finished step, its device values in the order `StepRecord` documents."""
-        rec = StepRecord(step=step, ts=ts, host=self.host)
+        rec = StepRecord(step=step, ts=ts, host=self.host, ids=self.ids)
         names, scalars = self.hook_names, self.scalars
         if self.loss_sum is not None and "loss" not in self.logs and "loss" not in self.host:
             names.append("loss")
@@ -157,6 +160,7 @@ class Step:
             rec.amax_names = order
             rec.amax_calls = self.calls
             rec.ship_amax = self.sampled
+            rec.amax_exact = self.sampled
             rec.vectors += self.amax
         if self.grads is not None:
             rec.vectors.append(self.grads[0])
@@ -201,3 +205,38 @@ def log_one(target: Step, name: str, value: Any, device: torch.device) -> str | 
         return f"{type(value).__name__} is not a number"
     target.logs.pop(name, None)
     return None
+
+
+MAX_ID_ITEMS = 64  # items of one watch.identify() list
+MAX_ID_CHARS = 200  # characters of one string
+
+
+def identity(name: str, value: Any) -> tuple[Any, str | None]:
+    """One watch.identify() value as kept (JSON-ready), or the reason it is refused. Host values only: a
+    device tensor would need a copy to the host, a sync on the training thread."""
+    if not NAME.fullmatch(name):
+        return None, "names are 1-200 characters of A-Za-z0-9._:/@+-[]"
+    if isinstance(value, torch.Tensor):
+        if not value.is_cpu:
+            return (
+                None,
+                f"a {value.device.type} tensor: reading it would wait for the device; pass host values",
+            )
+        if value.numel() > MAX_ID_ITEMS:
+            return None, f"{value.numel()} elements; at most {MAX_ID_ITEMS}"
+        value = value.detach().reshape(-1).tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None, "a non-finite number; identify the data with finite numbers or strings"
+    if isinstance(value, bool | int | float) or value is None:
+        return value, None
+    if isinstance(value, str):
+        return value[:MAX_ID_CHARS], None
+    if isinstance(value, list | tuple):
+        if len(value) > MAX_ID_ITEMS:
+            return None, f"{len(value)} items; at most {MAX_ID_ITEMS}"
+        if all(isinstance(v, bool | int) or (isinstance(v, float) and math.isfinite(v)) for v in value):
+            return list(value), None
+        if all(isinstance(v, str) for v in value):
+            return [v[:MAX_ID_CHARS] for v in value], None
+        return None, "a list of finite numbers or of strings is expected"
+    return None, f"{type(value).__name__}: pass numbers, strings, lists of them, or a CPU tensor"

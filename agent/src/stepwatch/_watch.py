@@ -130,6 +130,21 @@ class Watch:
         except Exception as exc:
             self._guard.fail("log", exc)
 
+    def identify(self, **values: Any) -> None:
+        """Name the data of the current step (`sample_ids=batch["idx"]`, `shard="s3://.../017"`): numbers,
+        strings, lists of up to 64 of them, or a CPU tensor of up to 64 elements. Kept on this rank with
+        the step and sent only with the first non-finite step (the `nonfinite` anomaly's evidence), so that
+        a NaN the data caused can be traced to its batch. Call it when the batch is fetched: the values
+        belong to the step its forward starts (unlike `log()`, whose values after `optimizer.step()` belong
+        to the step that just ended)."""
+        hooks = self._hooks
+        if hooks is None or self._closed or self._forked or "log" in self._guard.off:
+            return
+        try:
+            hooks.identify(values)
+        except Exception as exc:
+            self._guard.fail("log", exc)
+
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Mark a known pause (eval, checkpoint): heartbeats show it, the collector does not call it a hang."""
@@ -218,6 +233,9 @@ class NullWatch(Watch):
         return ""
 
     def log(self, **values: Any) -> None:
+        pass
+
+    def identify(self, **values: Any) -> None:
         pass
 
     @contextlib.contextmanager

@@ -78,6 +78,7 @@ class NonFiniteDetector(Detector):
         self._grads_streak = 0  # gradient-only overflows in a row that the optimizer still applied
         self._skip_streak = 0  # steps in a row the grad scaler skipped
         self._modules: dict[str, str | None] = {}  # open key -> first module seen (events come once)
+        self._contexts: dict[str, dict[str, Any]] = {}  # open key -> the first step's context (its event)
         self._steps: dict[str, int] = {}  # open key -> non-finite steps while open
 
     # -- per step ----------------------------------------------------------------------------------
@@ -151,6 +152,8 @@ class NonFiniteDetector(Detector):
         rank = self.ctx.row_of(int(key.split(":")[1])) if key != RUN_KEY else None  # its row
         mine = culprits if rank is None else np.array([rank])
         module = self._modules.get(key) or self._first_module(frame, mine, events)
+        if not self._contexts.get(key):  # the first step's, kept while the anomaly lasts (events come once)
+            self._contexts[key] = self._first_step_context(mine, events)
         where = [
             w
             for w, flags in (("activations", bad_act), ("loss", bad_loss), ("grads", bad_grads))
@@ -171,6 +174,7 @@ class NonFiniteDetector(Detector):
             "steps": self._steps[key],
             "step": frame.step,
             "skipped_steps": self._skip_streak,
+            **self._contexts[key],
         }
         summary = self._summary(frame, rank, culprits, where, module, n_grads, grads_only)
         if collapsing:
@@ -193,6 +197,29 @@ class NonFiniteDetector(Detector):
             self._clean_run = 0
         else:
             self._clean[rank] = 0
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A snapshot of the bus (bus/worker.py) pickled before `_contexts` existed unpickles with it."""
+        self.__dict__.update(state)
+        self.__dict__.setdefault("_contexts", {})
+
+    def _first_step_context(self, ranks: np.ndarray, events: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        """What the first culprit's agent knew of the first non-finite step (its event, docs/ingest.md):
+        the first module's input and output max |x| (`input_amax`, `output_amax`) and the values naming
+        the step's data (`data_ids`, from `watch.identify()`)."""
+        for r in ranks.tolist():
+            data = events.get(r)
+            if not data:
+                continue
+            context: dict[str, Any] = {}
+            for name in ("input_amax", "output_amax"):
+                if name in data:
+                    context[f"first_module_{name}"] = data[name]
+            if isinstance(data.get("ids"), dict):
+                context["data_ids"] = data["ids"]
+            if context:
+                return context
+        return {}
 
     def _first_module(
         self, frame: StepFrame, ranks: np.ndarray, events: dict[int, dict[str, Any]]
@@ -262,4 +289,5 @@ class NonFiniteDetector(Detector):
                     note=f"finite again for {self.s.clear_steps} steps",
                 )  # fmt: skip
                 self._modules.pop(anomaly.key, None)
+                self._contexts.pop(anomaly.key, None)
                 self._steps.pop(anomaly.key, None)
