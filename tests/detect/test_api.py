@@ -52,6 +52,8 @@ def test_run_anomalies_and_filters(seeded: Collector) -> None:
     kinds = [a["kind"] for a in body["anomalies"]]
     assert kinds == ["throughput_drop", "slow_node", "straggler", "loss_spike"]  # most recent first
     straggler = body["anomalies"][2]
+    # the profile the detection asked of the straggler and a peer when it opened (commands/at_verdicts.py)
+    assert [c["kind"] for c in straggler.pop("commands")] == ["profile"]
     assert straggler | {"id": 0, "created_at": "", "updated_at": ""} == {
         "id": 0, "run": "train/a", "kind": "straggler", "key": "rank:1", "status": "open",
         "severity": "critical", "rank": 1, "node": "gpu-0", "first_step": 10, "last_step": 10,
