@@ -72,6 +72,8 @@ def test_straggler_nan_and_spike_reach_the_routed_channels(
     text = str(straggler["blocks"])
     assert "1.3" in text and "data" in text  # the evidence: its phase and ratio
     assert "http://dashboard.test:8000/run/llama-mix#anomaly=" in text
+    # the profile the detection asked of the straggler and a peer, said before its answers come
+    assert "Evidence asked: profiler traces of rank 6 vs rank " in text and "(on the anomaly's page)" in text
 
     hooks = receiver.on("/hook")
     assert sorted((h.json["event"], h.json["count"]) for h in hooks) == [("open", 8), ("resolve", 8)]
@@ -85,6 +87,7 @@ def test_straggler_nan_and_spike_reach_the_routed_channels(
         assert {a["rank"] for a in body["anomalies"]} == set(range(8, 16))
         assert {a["node"] for a in body["anomalies"]} == {"gpu-001"}
         assert all(a["key_evidence"]["module"] == "layers.3.attn.qkv" for a in body["anomalies"])
+        assert all(a["commands"] == [] for a in body["anomalies"])  # a NaN asks the ranks for nothing
     opened = next(h for h in hooks if h.json["event"] == "open")
     resolved = next(h for h in hooks if h.json["event"] == "resolve")
     assert opened.at < resolved.at  # the resolve follows the open

@@ -19,7 +19,7 @@ from sqlalchemy import Engine, bindparam, insert, select, update
 from stepwatch_server.alerts.config import AlertsConfig
 from stepwatch_server.alerts.render import ANOMALY_FIELDS, Message, render
 from stepwatch_server.storage.engine import write_transaction
-from stepwatch_server.storage.models import AlertDelivery, AlertEvent, Run
+from stepwatch_server.storage.models import AlertDelivery, AlertEvent, Command, Run
 from stepwatch_server.storage.models import Anomaly as AnomalyRow
 
 MAX_EVENTS_PER_ROUND = 5000  # pending events read per composition round (the rest wait for the next)
@@ -66,10 +66,19 @@ def compose(engine: Engine, config: AlertsConfig, now: dt.datetime | None = None
                 .where(AnomalyRow.id.in_(anomaly_ids))
             )
         }
+        asked: dict[int, list[dict[str, Any]]] = defaultdict(list)  # the evidence asked at each anomaly
+        for row in conn.execute(
+            select(Command.anomaly_id, Command.id, Command.kind, Command.targets)
+            .where(Command.anomaly_id.in_(anomaly_ids))
+            .order_by(Command.id)
+        ):
+            asked[int(row.anomaly_id)].append({"id": row.id, "kind": row.kind, "ranks": row.targets})
         deliveries, links = [], []
         for (channel, _, kind, event), evs in ready.items():
             rows = [
-                _anomaly(anomalies[i]) for i in dict.fromkeys(e.anomaly_id for e in evs) if i in anomalies
+                {**_anomaly(anomalies[i]), "commands": asked.get(i, [])}
+                for i in dict.fromkeys(e.anomaly_id for e in evs)
+                if i in anomalies
             ]
             key = idempotency_key(channel, [e.id for e in evs])
             links += [{"event_id": e.id, "key": key} for e in evs]

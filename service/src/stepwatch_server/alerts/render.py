@@ -70,6 +70,12 @@ class Message:
     def title(self) -> str:
         return f"{_EVENT_WORD.get(self.event, '')}{self.severity.upper()} {_subject(self)} in run {self.run}"
 
+    def command_url(self, command: dict[str, Any]) -> str | None:
+        """The API's view of an evidence command, or None without dashboard_url."""
+        if self.dashboard_url is None:
+            return None
+        return f"{self.dashboard_url}/api/v1/runs/{urllib.parse.quote(self.run, safe='/')}/commands/{command['id']}"
+
     def url(self, anomaly: dict[str, Any] | None = None) -> str | None:
         """The dashboard page of `anomaly` (default: the group's first), or None without dashboard_url."""
         if self.dashboard_url is None:
@@ -77,6 +83,22 @@ class Message:
         a = anomaly or self.anomalies[0]
         # The run page of the built-in dashboard, opened zoomed to the anomaly (web/src/run.js).
         return f"{self.dashboard_url}/run/{urllib.parse.quote(self.run, safe='')}#anomaly={a['id']}"
+
+
+def evidence_line(a: dict[str, Any]) -> str:
+    """What the collector asked the ranks for at this anomaly (commands/at_verdicts.py), in words: the
+    alert goes out before their answers, which the anomaly's page shows."""
+    parts = []
+    for c in a.get("commands") or []:
+        if c["kind"] == "stacks":
+            parts.append("every rank's stacks")
+        elif c["kind"] == "profile" and c.get("ranks"):
+            ranks = list(c["ranks"])
+            if a.get("rank") in ranks:  # the blamed rank first, then its peer
+                ranks.remove(a["rank"])
+                ranks.insert(0, a["rank"])
+            parts.append("profiler traces of " + " vs ".join(f"rank {r}" for r in ranks))
+    return f"Evidence asked: {'; '.join(parts)} (on the anomaly's page)" if parts else ""
 
 
 def _blamed(a: dict[str, Any]) -> str:
@@ -173,6 +195,9 @@ def slack_payload(msg: Message) -> dict[str, Any]:
                 ],
             }
         )
+    said = evidence_line(first)
+    if said:
+        blocks.append({"type": "context", "elements": [{"type": "mrkdwn", "text": _escape(said)}]})
     url = msg.url()
     if url is not None:
         button = {"type": "button", "text": {"type": "plain_text", "text": "Open in stepwatch"}, "url": url}
@@ -207,6 +232,7 @@ def webhook_payload(msg: Message) -> dict[str, Any]:
                 **{k: a.get(k) for k in ANOMALY_FIELDS},
                 "key_evidence": key_evidence(a),
                 "url": msg.url(a),
+                "commands": [{**c, "url": msg.command_url(c)} for c in a.get("commands", [])],
             }
             for a in msg.anomalies
         ],
