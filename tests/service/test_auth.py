@@ -359,3 +359,34 @@ def test_the_log_names_the_tokens_and_never_shows_one(
     assert "access: 5 token(s): STEPWATCH_TOKEN (write *); team-a-training (write team-a/*)" in caplog.text
     assert "login with the token 'team-a-viewer'" in caplog.text
     assert not any(secret in caplog.text for secret in [*ENV.values(), "legacy-token-0123456789"])
+
+
+def test_commands_are_asked_and_answered_only_with_a_write_token_for_the_run(scoped: Collector) -> None:
+    """Asking a run's ranks for evidence, and answering as an agent, write: a read token, another team's
+    write token and no token are refused; the run's own write token asks, and the command records who."""
+    assert _write(scoped, "team-a/cmd", [1.0, 0.9], "TOKEN_A_WRITE").status_code == 200
+    ask = {"kind": "stacks"}
+    path = "/api/v1/runs/team-a/cmd/commands"
+    assert "team-a-viewer" in _error(scoped.http.post(path, json=ask, headers=bearer("TOKEN_A_READ")), 403)
+    _error(scoped.http.post(path, json=ask, headers=bearer("TOKEN_B_WRITE")), 403)
+    _error(scoped.http.post(path, json=ask), 401)
+    asked = scoped.http.post(path, json=ask, headers=bearer("TOKEN_A_WRITE"))
+    assert asked.status_code == 202 and asked.json()["requested_by"] == "token team-a-training"
+    answer = {
+        "run": "team-a/cmd",
+        "rank": 0,
+        "session": "s",
+        "kind": "stacks",
+        "status": "refused",
+        "message": "no",
+    }
+    results = f"/api/v1/commands/{asked.json()['id']}/results"
+    _error(scoped.http.post(results, json=answer, headers=bearer("TOKEN_B_WRITE")), 403)
+    _error(scoped.http.post(results, json=answer, headers=bearer("TOKEN_A_READ")), 403)
+    took = scoped.http.post(results, json=answer, headers=bearer("TOKEN_A_WRITE"))
+    assert took.status_code == 200 and took.json() == {"accepted": True, "first": True}
+    view = scoped.http.get(f"{path}/{asked.json()['id']}", headers=bearer("TOKEN_A_READ")).json()
+    assert view["ranks"] == [
+        {"rank": 0, "status": "refused", "message": "no", "received_at": view["ranks"][0]["received_at"]}
+    ]
+    _error(scoped.http.get(f"{path}/{asked.json()['id']}"), 401)
