@@ -25,6 +25,7 @@ EXAMPLES_PER_ROUTE = 25  # bounded for CI; derandomized, so every run sends the 
 RULES_ACROSS_FIELDS = {
     "POST /api/v1/ingest": "columns as long as their steps, rank < world_size, steps increasing",
     "GET /api/v1/runs/{run}/series": "rank=global takes metric=grad_norm only",
+    "POST /api/v1/commands/{command_id}/artifacts": "the body is a gzip file (its first bytes say so)",
 }
 
 

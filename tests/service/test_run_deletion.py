@@ -5,6 +5,7 @@ collector on both backends: `DELETE /api/v1/runs/{run}`, `stepwatch-server runs 
 
 from __future__ import annotations
 
+import gzip
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -94,7 +95,27 @@ def _feed(collector: Collector, run: str) -> int:
     nan["world_size"] = 2
     answer = collector.post(nan)
     assert answer.status_code == 200, answer.text
-    return rows + answer.json()["rows"]
+    rows += answer.json()["rows"]
+    # evidence asked of its ranks and answered as an agent does: a command, a result and a trace
+    asked = collector.http.post(f"/api/v1/runs/{run}/commands", json={"kind": "profile", "ranks": [0, 1]})
+    assert asked.status_code == 202, asked.text
+    cid = asked.json()["id"]
+    trace = gzip.compress(b'{"traceEvents": []}')
+    sent = collector.http.post(
+        f"/api/v1/commands/{cid}/artifacts", params={"run": run, "rank": 0}, content=trace
+    )
+    assert sent.status_code == 200, sent.text
+    result = {
+        "run": run,
+        "rank": 0,
+        "session": "s",
+        "kind": "profile",
+        "status": "done",
+        "result": {"steps": 5},
+    }
+    sent = collector.http.post(f"/api/v1/commands/{cid}/results", json=result)
+    assert sent.status_code == 200, sent.text
+    return rows
 
 
 def _settled(engine: Engine, run: str) -> dict[str, int]:

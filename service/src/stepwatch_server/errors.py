@@ -176,7 +176,9 @@ async def _query_error(request: Request, exc: Exception) -> Response:
     errors = exc.errors()
     first = errors[0] if errors else {}
     loc = [str(part) for part in first.get("loc", ()) if part not in ("query", "path", "body")]
-    field = ".".join(loc) or None
+    if first.get("type") in ("union_tag_invalid", "union_tag_not_found"):  # a body of several kinds
+        loc.append(str(first.get("ctx", {}).get("discriminator", "")).strip("'"))
+    field = ".".join(part for part in loc if part) or None
     message = f"{field}: {first.get('msg', 'invalid')}" if field else str(first.get("msg", "invalid"))
     return _render(422, "invalid_parameter", field, message)
 

@@ -15,14 +15,15 @@ from typing import Annotated, Any, Literal
 from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Query, Request
-from pydantic import BaseModel, Field
+from fastapi import Path as PathParam
+from pydantic import BaseModel, Field, ValidationError
 from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from stepwatch_server.auth import Grant, check_write, write_access
 from stepwatch_server.commands import profiles, stacks, store
-from stepwatch_server.errors import RUN_NOT_FOUND, InvalidBatch, InvalidParameter, NotFound
+from stepwatch_server.errors import RUN_NOT_FOUND, ErrorAnswer, InvalidBatch, NotFound
 from stepwatch_server.ingest.body import decode_body, read_body_bounded
 from stepwatch_server.ingest.schema import MAX_WORLD_SIZE
 from stepwatch_server.params import Conn
@@ -34,48 +35,88 @@ from stepwatch_server.storage.models import Anomaly
 log = logging.getLogger(__name__)
 write_router = APIRouter(prefix="/api/v1", tags=["commands"])
 read_router = APIRouter(prefix="/api/v1", tags=["commands"])
-STATUSES = ("done", "refused", "failed")
-
-
 MAX_PROFILED_RANKS = 8
 DEFAULT_PROFILE_STEPS = 5
 MAX_PROFILE_STEPS = 50
+MAX_COMMAND_ID = 2**31 - 1
+RankNumber = Annotated[int, Field(ge=0, lt=MAX_WORLD_SIZE)]
+CommandId = Annotated[int, PathParam(ge=1, le=MAX_COMMAND_ID, description="the command's id")]
+AnswerWithin = Annotated[
+    float, Field(ge=1, le=3600, description="a rank without an answer by then reads `no answer`")
+]
 
 
-class Ask(BaseModel):
-    kind: Literal["stacks", "profile"] = Field(
-        description="`stacks`: every thread's Python stack; `profile`: a torch.profiler trace of `steps` steps"
+class AskStacks(BaseModel):
+    kind: Literal["stacks"] = Field(description="every thread's Python stack on each rank asked")
+    ranks: list[RankNumber] | None = Field(
+        None, max_length=MAX_WORLD_SIZE, description="the ranks asked; omitted: every rank of the run"
     )
-    ranks: list[Annotated[int, Field(ge=0, lt=MAX_WORLD_SIZE)]] | None = Field(
-        None, description="the ranks asked; omitted: every rank (stacks only)", max_length=MAX_WORLD_SIZE
-    )
-    steps: int = Field(DEFAULT_PROFILE_STEPS, ge=1, le=MAX_PROFILE_STEPS, description="profile: steps traced")
-    answer_within_s: float = Field(
-        store.ANSWER_WITHIN_S, ge=1, le=3600, description="a rank without an answer by then reads `no answer`"
-    )
+    answer_within_s: AnswerWithin = store.ANSWER_WITHIN_S
 
-    def checked(self) -> tuple[list[int] | None, dict[str, Any]]:
-        """(targets, args), or InvalidParameter naming the field."""
-        if self.kind == "stacks":
-            return self.ranks, {}
-        if not self.ranks or len(self.ranks) > MAX_PROFILED_RANKS:
-            raise InvalidParameter(
-                f"ranks: a profile needs 1-{MAX_PROFILED_RANKS} ranks, e.g. [37, 12] (a straggler and a peer)",
-                field="ranks",
-            )
+    def asked(self) -> tuple[list[int] | None, dict[str, Any]]:
+        return self.ranks, {}
+
+
+class AskProfile(BaseModel):
+    kind: Literal["profile"] = Field(description="a torch.profiler trace of `steps` whole steps on each rank")
+    ranks: list[RankNumber] = Field(
+        min_length=1, max_length=MAX_PROFILED_RANKS, description="e.g. [37, 12]: a straggler and a peer"
+    )
+    steps: int = Field(DEFAULT_PROFILE_STEPS, ge=1, le=MAX_PROFILE_STEPS, description="steps traced")
+    answer_within_s: AnswerWithin = store.ANSWER_WITHIN_S
+
+    def asked(self) -> tuple[list[int] | None, dict[str, Any]]:
         return self.ranks, {"steps": self.steps}
+
+
+Ask = Annotated[AskStacks | AskProfile, Field(discriminator="kind")]
+
+
+class Outcome(BaseModel):
+    """An agent's answer to one command (docs/ingest.md, "Commands"); gzip JSON like a batch."""
+
+    run: str = Field(min_length=1, max_length=200, description="the command's run")
+    rank: RankNumber = Field(description="the answering rank")
+    session: str = Field("", max_length=64, description="the agent's session")
+    kind: str | None = Field(None, max_length=32, description="the command's kind, as the agent took it")
+    status: Literal["done", "refused", "failed"]
+    message: str = Field("", max_length=2000, description="why, for `refused` and `failed`")
+    result: dict[str, Any] | None = Field(None, description="what `done` found (at most 2 MiB as JSON)")
+
+
+_BODY_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorAnswer, "description": "Not gzip, not UTF-8 or not JSON."},
+    404: {"model": ErrorAnswer, "description": "No such command of that run (`not_found`)."},
+    413: {"model": ErrorAnswer, "description": "Over the size limit."},
+    415: {"model": ErrorAnswer, "description": "Unsupported Content-Encoding."},
+}
+_OUTCOME_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": Outcome.model_json_schema()}},
+    }
+}
+_TRACE_BODY = {
+    "requestBody": {
+        "required": True,
+        "description": "The trace (Chrome trace JSON), gzip-compressed, stored and served as it is.",
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
 
 
 def _requester(grant: Grant | None) -> str:
     return f"token {grant.name}" if grant is not None else "anonymous (no tokens configured)"
 
 
-def ask_sync(request: Request, run: str, ask: Ask, requested_by: str, reason: str) -> dict[str, Any]:
+def ask_sync(
+    request: Request, run: str, ask: AskStacks | AskProfile, requested_by: str, reason: str
+) -> dict[str, Any]:
     with write_transaction(request.app.state.engine) as conn:
         found = deletion.find(conn, run)
         if found is None:
             raise NotFound(f"run {run!r} not found; GET /api/v1/runs lists the runs", field="run")
-        targets, args = ask.checked()
+        targets, args = ask.asked()
         cid = store.ask(
             conn, found.id, ask.kind, targets, args, requested_by, reason, None, ask.answer_within_s
         )
@@ -117,33 +158,30 @@ async def ask_command(
 
 
 @write_router.post(
-    "/commands/{command_id}/results", summary="An agent's answer to a command (the agent sends it)"
+    "/commands/{command_id}/results",
+    summary="An agent's answer to a command (the agent sends it)",
+    responses={**_BODY_ERRORS},
+    openapi_extra=_OUTCOME_BODY,
 )
 async def post_result(
-    command_id: int, request: Request, grant: Annotated[Grant | None, Depends(write_access)]
+    command_id: CommandId, request: Request, grant: Annotated[Grant | None, Depends(write_access)]
 ) -> Response:
+    """The first answer of a rank counts (`first` false for a later one); the answer may carry the commands
+    this rank still owes, as ingest's does."""
     settings = request.app.state.settings
     raw = await read_body_bounded(request, settings.max_batch_bytes)
     doc = decode_body(raw, request.headers.get("content-encoding"), settings.max_batch_bytes)
-    if not isinstance(doc, dict):
-        raise InvalidBatch("the body must be a JSON object", field="body")
-    run, rank, session, status = doc.get("run"), doc.get("rank"), doc.get("session"), doc.get("status")
-    if not isinstance(run, str):
-        raise InvalidBatch("run: expected the run's name", field="run")
+    try:
+        outcome = Outcome.model_validate(doc)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"]) or "body"
+        raise InvalidBatch(f"{where}: {error['msg']}", field=where) from None
+    run, rank, status, result = outcome.run, outcome.rank, outcome.status, outcome.result
     check_write(grant, run)
-    if type(rank) is not int or not 0 <= rank < MAX_WORLD_SIZE:
-        raise InvalidBatch("rank: expected the answering rank's number", field="rank")
-    if status not in STATUSES:
-        raise InvalidBatch(f"status: expected one of {', '.join(STATUSES)}", field="status")
-    result = doc.get("result")
-    if result is not None and (
-        not isinstance(result, dict) or len(json.dumps(result)) > store.MAX_RESULT_BYTES
-    ):
-        raise InvalidBatch(
-            f"result: expected a JSON object of at most {store.MAX_RESULT_BYTES} bytes", field="result"
-        )
-    message = str(doc.get("message") or "")[:2000]
-    session = str(session or "")[:64]
+    if result is not None and len(json.dumps(result)) > store.MAX_RESULT_BYTES:
+        raise InvalidBatch(f"result: more than {store.MAX_RESULT_BYTES} bytes as JSON", field="result")
+    message, session = outcome.message, outcome.session
 
     def write() -> bool:
         with write_transaction(request.app.state.engine) as conn:
@@ -163,9 +201,11 @@ async def post_result(
 
 
 @read_router.get(
-    "/runs/{run:path}/commands/{command_id}", summary="One command: each rank's answer, stacks grouped"
+    "/runs/{run:path}/commands/{command_id}",
+    summary="One command: each rank's answer, stacks grouped",
+    responses={**RUN_NOT_FOUND},
 )
-def read_command(run: str, command_id: int, conn: Conn) -> Response:
+def read_command(run: str, command_id: CommandId, conn: Conn) -> Response:
     """Per rank: `done`, `refused` or `failed` (with its message), `waiting` (not answered yet) or `no answer`
     (none within the command's time); the `done` stacks grouped by the training thread's frames, smallest
     group first, the blamed rank's (a command asked at a verdict) before all."""
@@ -201,8 +241,20 @@ def read_command(run: str, command_id: int, conn: Conn) -> Response:
 @read_router.get(
     "/runs/{run:path}/commands/{command_id}/traces/{rank}",
     summary="One rank's profiler trace of a `profile` command (Chrome trace JSON, gzip; opens in Perfetto)",
+    responses={
+        **RUN_NOT_FOUND,
+        200: {
+            "description": "The trace, gzip",
+            "content": {"application/gzip": {"schema": {"type": "string", "format": "binary"}}},
+        },
+    },
 )
-def read_trace(run: str, command_id: int, rank: int, conn: Conn) -> Response:
+def read_trace(
+    run: str,
+    command_id: CommandId,
+    rank: Annotated[int, PathParam(ge=0, lt=MAX_WORLD_SIZE, description="the rank")],
+    conn: Conn,
+) -> Response:
     found = store.find(conn, command_id)
     data = store.artifact(conn, command_id, rank) if found is not None and found[1] == run else None
     if data is None:
@@ -215,12 +267,14 @@ def read_trace(run: str, command_id: int, rank: int, conn: Conn) -> Response:
 @write_router.post(
     "/commands/{command_id}/artifacts",
     summary="A rank's file for a command: its profiler trace (the agent sends it)",
+    responses={**_BODY_ERRORS},
+    openapi_extra=_TRACE_BODY,
 )
 async def post_artifact(
-    command_id: int,
+    command_id: CommandId,
     request: Request,
     grant: Annotated[Grant | None, Depends(write_access)],
-    run: Annotated[str, Query(description="the command's run")],
+    run: Annotated[str, Query(min_length=1, max_length=200, description="the command's run")],
     rank: Annotated[int, Query(ge=0, lt=MAX_WORLD_SIZE, description="the uploading rank")],
 ) -> Response:
     """The body is the file, gzip-compressed, as it is stored and served (at most 32 MiB)."""
@@ -247,7 +301,11 @@ def _blamed(conn: Conn, anomaly_id: int | None) -> int | None:
     return None if rank is None else int(rank)
 
 
-@read_router.get("/runs/{run:path}/commands", summary="The run's recent commands (newest first)")
+@read_router.get(
+    "/runs/{run:path}/commands",
+    summary="The run's recent commands (newest first)",
+    responses={**RUN_NOT_FOUND},
+)
 def list_commands(run: str, conn: Conn) -> Response:
     found = deletion.find(conn, run)
     if found is None:
