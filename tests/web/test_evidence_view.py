@@ -95,6 +95,13 @@ def test_the_straggler_links_both_traces_and_names_the_slow_operator(seen: dict[
     assert "cdist" in traces["ops"][0][0] and float(traces["ops"][0][3]) > 5  # ms per step, slow rank 2
 
 
+def test_the_button_asks_every_rank_for_its_stacks_now(seen: dict[str, Any]) -> None:
+    """The hang's ranks were stopped once they had answered: the new command waits on all 4 of them."""
+    asked = seen["runs"]["stacks"]["asked"]
+    assert asked["title"].startswith("Stacks of every rank (asked ")
+    assert asked["status"] == "waiting: ranks 0, 1, 2, 3"
+
+
 def test_no_page_error_and_no_request_leaves_loopback(seen: dict[str, Any]) -> None:
     assert seen["pageErrors"] == [] and seen["consoleErrors"] == [] and seen["blocked"] == []
     for label in ("stacks", "traces"):

@@ -5,26 +5,84 @@ import { getJson, runPath } from "./api.js";
 import { el, fmtBytes, fmtInt, fmtNum } from "./format.js";
 
 const TITLES = { stacks: "Stacks of every rank", profile: "Profiler traces" };
+// A command asked by hand says when; the one the detection asked at the verdict goes without.
+const when = (c) => (c.requested_by === "detection" || !c.created_at ? "" : ` (asked ${new Date(c.created_at).toLocaleTimeString()})`);
 
 export function commandViews(a) {
-  return (a.commands ?? []).map((c) => {
-    const body = el("div", { class: "command-body" }, el("p", { class: "muted" }, "Loading…"));
-    const box = el("details", { class: "command", dataset: { kind: c.kind, id: c.id } },
-      el("summary", {}, TITLES[c.kind] ?? c.kind), body);
-    let settled = false;
-    box.addEventListener("toggle", async () => {
-      if (!box.open || settled) return;
-      try {
-        const view = await getJson(`${runPath(a.run)}/commands/${c.id}`);
-        settled = view.ranks.every((r) => r.status !== "waiting");
-        body.replaceChildren(...render(view));
-        box.dataset.ready = "true";
-      } catch (e) {
-        body.replaceChildren(el("p", { class: "error" }, `Could not read the evidence: ${e.message}`));
-      }
-    });
-    return box;
+  const views = (a.commands ?? []).map((c) => commandView(a, c));
+  const box = el("div", { class: "command-views" }, views);
+  if (a.status === "open") box.append(askButton(a, box));
+  return [box];
+}
+
+// Every rank's stacks now, on demand: asking writes (a command), so a collector with tokens needs a write
+// token for the run. It is asked for once, sent in the header of this one request and kept nowhere.
+function askButton(a, box) {
+  const problem = el("p", { class: "error", role: "alert", hidden: true });
+  const button = el("button", { type: "button", class: "ask-stacks", onclick: async () => {
+    button.disabled = true;
+    problem.hidden = true;
+    try {
+      const c = await postCommand(a, { kind: "stacks", anomaly_id: a.id });
+      const view = commandView(a, c);
+      box.insertBefore(view, wrapper);
+      view.open = true;
+    } catch (e) {
+      problem.textContent = `Could not ask the ranks: ${e.message}`;
+      problem.hidden = false;
+    } finally {
+      button.disabled = false;
+    }
+  } }, "Ask every rank for its stacks now");
+  const wrapper = el("div", { class: "ask" }, button, problem);
+  return wrapper;
+}
+
+async function postCommand(a, body) {
+  let token = null;
+  for (;;) {
+    const headers = { "Content-Type": "application/json", Accept: "application/json" };
+    if (token) headers.Authorization = `Bearer ${token}`;
+    const response = await fetch(`${runPath(a.run)}/commands`, { method: "POST", headers, body: JSON.stringify(body) });
+    if (response.ok) return response.json();
+    if ((response.status === 401 || response.status === 403) && token === null) {
+      token = window.prompt(`Asking the ranks of ${a.run} writes: paste a write token for this run (it is not kept)`);
+      if (token) continue;
+    }
+    let message = `${response.status} ${response.statusText}`;
+    try {
+      message = (await response.json()).error?.message ?? message;
+    } catch {
+      /* not JSON: keep the status line */
+    }
+    throw new Error(message);
+  }
+}
+
+// The views open on this page, by command id: the anomaly list is drawn again when an anomaly changes, and
+// what the reader opened stays open (and is read again).
+const opened = new Set();
+
+function commandView(a, c) {
+  const body = el("div", { class: "command-body" }, el("p", { class: "muted" }, "Loading…"));
+  const box = el("details", { class: "command", dataset: { kind: c.kind, id: c.id } },
+    el("summary", {}, `${TITLES[c.kind] ?? c.kind}${when(c)}`), body);
+  let settled = false;
+  box.addEventListener("toggle", async () => {
+    if (box.open) opened.add(c.id);
+    else opened.delete(c.id);
+    if (!box.open || settled) return;
+    try {
+      const view = await getJson(`${runPath(a.run)}/commands/${c.id}`);
+      settled = view.ranks.every((r) => r.status !== "waiting");
+      body.replaceChildren(...render(view));
+      box.dataset.ready = "true";
+    } catch (e) {
+      body.replaceChildren(el("p", { class: "error" }, `Could not read the evidence: ${e.message}`));
+    }
   });
+  if (opened.has(c.id)) box.open = true;
+  return box;
 }
 
 function render(view) {

@@ -1,7 +1,8 @@
 // Opens each named run's page in a real browser, opens the evidence of its first anomaly of the named kind
 // (the command the detection asked at it: stacks at a hang, traces at a straggler) and reports what the page
 // shows: the stack groups with their summaries and the project's own frames, or the trace links (each
-// fetched: status and type) and the first rows of the operator table. Prints one JSON report on stdout;
+// fetched: status and type) and the first rows of the operator table; on the stacks run it then presses
+// "Ask every rank for its stacks now" and reports the new command's view. Prints one JSON report on stdout;
 // tests/web/test_evidence_view.py asserts on it.
 //
 // env: STEPWATCH_URL (the collector), RUNS (`label=run=kind` triples, comma-separated), CHROMIUM, SCREENSHOTS
@@ -46,6 +47,21 @@ try {
       t.type = answer.headers()["content-type"];
     }
     seen.ops = await box.locator("table.ops tbody tr").evaluateAll((rows) => rows.slice(0, 3).map((r) => [...r.cells].map((c) => c.innerText)));
+    const ask = item.locator("button.ask-stacks");
+    seen.askButton = await ask.count();
+    if (label === "stacks" && seen.askButton) {  // on demand: every rank's stacks now
+      await ask.click();
+      const asked = item.locator("details.command").nth(1);
+      try {
+        await item.locator('details.command[data-ready="true"]').nth(1).waitFor({ timeout: 15_000 });
+      } catch (e) {
+        throw new Error(`${e.message}\n${await item.innerHTML()}`);
+      }
+      seen.asked = {
+        title: (await asked.locator("summary").innerText()).trim(),
+        status: (await asked.locator(".command-status").innerText()).trim(),
+      };
+    }
     await item.scrollIntoViewIfNeeded();
     await item.screenshot({ path: `${shots}/evidence-${label}.png` });
     report.runs[label] = seen;

@@ -46,12 +46,19 @@ AnswerWithin = Annotated[
 ]
 
 
+AnomalyId = Annotated[
+    int | None,
+    Field(ge=1, le=MAX_COMMAND_ID, description="an anomaly of the run the evidence is for: it lists it"),
+]
+
+
 class AskStacks(BaseModel):
     kind: Literal["stacks"] = Field(description="every thread's Python stack on each rank asked")
     ranks: list[RankNumber] | None = Field(
         None, max_length=MAX_WORLD_SIZE, description="the ranks asked; omitted: every rank of the run"
     )
     answer_within_s: AnswerWithin = store.ANSWER_WITHIN_S
+    anomaly_id: AnomalyId = None
 
     def asked(self) -> tuple[list[int] | None, dict[str, Any]]:
         return self.ranks, {}
@@ -64,6 +71,7 @@ class AskProfile(BaseModel):
     )
     steps: int = Field(DEFAULT_PROFILE_STEPS, ge=1, le=MAX_PROFILE_STEPS, description="steps traced")
     answer_within_s: AnswerWithin = store.ANSWER_WITHIN_S
+    anomaly_id: AnomalyId = None
 
     def asked(self) -> tuple[list[int] | None, dict[str, Any]]:
         return self.ranks, {"steps": self.steps}
@@ -116,9 +124,11 @@ def ask_sync(
         found = deletion.find(conn, run)
         if found is None:
             raise NotFound(f"run {run!r} not found; GET /api/v1/runs lists the runs", field="run")
+        if ask.anomaly_id is not None and not store.anomaly_of(conn, found.id, ask.anomaly_id):
+            raise NotFound(f"anomaly {ask.anomaly_id} of run {run!r} not found", field="anomaly_id")
         targets, args = ask.asked()
         cid = store.ask(
-            conn, found.id, ask.kind, targets, args, requested_by, reason, None, ask.answer_within_s
+            conn, found.id, ask.kind, targets, args, requested_by, reason, ask.anomaly_id, ask.answer_within_s
         )
         command = store.find(conn, cid)
     assert command is not None

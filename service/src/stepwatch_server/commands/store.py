@@ -10,7 +10,7 @@ from typing import Any, cast
 from sqlalchemy import Connection, Table, delete, func, insert, select
 
 from stepwatch_server.ingest.store import insert_ignore
-from stepwatch_server.storage.models import Command, CommandArtifact, CommandResult, Rank, Run
+from stepwatch_server.storage.models import Anomaly, Command, CommandArtifact, CommandResult, Rank, Run
 
 KINDS = ("stacks", "profile")
 ANSWER_WITHIN_S = 60.0  # a rank that has not answered by then reads "no answer"
@@ -79,6 +79,12 @@ def ask(
             conn.execute(delete(table).where(table.command_id.in_(old)))
         conn.execute(delete(Command).where(Command.id.in_(old)))
     return cid
+
+
+def anomaly_of(conn: Connection, run_id: int, anomaly_id: int) -> bool:
+    """Whether anomaly `anomaly_id` is one of run `run_id`'s."""
+    found = conn.execute(select(Anomaly.id).where(Anomaly.id == anomaly_id, Anomaly.run_id == run_id))
+    return found.first() is not None
 
 
 def asked(row: Any, run: str) -> Asked:

@@ -93,12 +93,19 @@ def _shaped(conn: Connection, rows: Sequence[Any]) -> list[dict[str, Any]]:
     asked: dict[int | None, list[dict[str, Any]]] = {}
     if rows:
         found = conn.execute(
-            select(Command.anomaly_id, Command.id, Command.kind)
+            select(Command.anomaly_id, Command.id, Command.kind, Command.requested_by, Command.created_at)
             .where(Command.anomaly_id.in_([r.id for r in rows]))
             .order_by(Command.id)
         )
         for row in found:
-            asked.setdefault(row.anomaly_id, []).append({"id": row.id, "kind": row.kind})
+            asked.setdefault(row.anomaly_id, []).append(
+                {
+                    "id": row.id,
+                    "kind": row.kind,
+                    "requested_by": row.requested_by,
+                    "created_at": row.created_at,
+                }
+            )
     return [{**_shape(r, r.run_name), "commands": asked.get(r.id, [])} for r in rows]
 
 
