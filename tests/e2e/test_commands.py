@@ -153,6 +153,12 @@ def test_a_rank_with_the_channel_off_refuses_and_a_rank_gone_reads_no_answer(
     listed = collector.get(f"/api/v1/runs/{run}/commands")["commands"]
     assert [c["id"] for c in listed] == [asked["id"], asked["id"] - 1]
 
+    # An anomaly the run does not have cannot be named as the one the evidence is for.
+    with pytest.raises(urllib.error.HTTPError) as error:
+        post_json(f"{collector.url}/api/v1/runs/{run}/commands", {"kind": "stacks", "anomaly_id": 999_999})
+    with error.value:
+        assert error.value.code == 404 and '"field":"anomaly_id"' in error.value.read().decode()
+
     # Bounded per run: its newest KEPT_PER_RUN commands stay, the oldest go with their results.
     for _ in range(KEPT_PER_RUN):
         post_json(f"{collector.url}/api/v1/runs/{run}/commands", {"kind": "stacks", "answer_within_s": 1})
