@@ -8,6 +8,9 @@ import threading
 import time
 from typing import Any
 
+import pytest
+import torch
+
 import stepwatch
 from stepwatch._activity import StackReader
 from stepwatch._commands import MAX_QUEUED, MIN_INTERVAL_S, Commands
@@ -148,3 +151,59 @@ def test_stacks_taken_while_training_go_on_and_their_cost_is_printed(
         f"stacks cost: step median {medians['without']:.3f} ms without, {medians['with']:.3f} ms while "
         f"{len(taken)} stacks were taken"
     )
+
+
+def _train_until(
+    model: Any, opt: Any, receiver: Receiver, path_end: str, wait_s: float = 15.0
+) -> list[dict[str, Any]]:
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end and not [r for r in _results(receiver) if r["path"].endswith(path_end)]:
+        train(model, opt, 1)
+        time.sleep(0.01)
+    return [r for r in _results(receiver) if r["path"].endswith(path_end)]
+
+
+def test_a_profile_traces_whole_steps_and_uploads_the_trace_before_its_result(
+    receiver: Receiver, fast: dict[str, Any]
+) -> None:
+    commands = [{"id": 21, "kind": "profile", "args": {"steps": 3}}]
+    receiver.respond = lambda batch, headers: (200, {}, {**ACK, "commands": commands})
+    model, opt = make_model()
+    watch = stepwatch.attach(model, opt, run="profiled", url=receiver.url, **fast)
+    done = _train_until(model, opt, receiver, "/21/results")
+    steps_before = watch.stats()["sent_steps"]
+    train(model, opt, 3)
+    watch.close()
+    assert [r["batch"]["status"] for r in done] == ["done"]
+    result = done[0]["batch"]["result"]
+    assert result["steps"] == 3 and len(result["step_ms"]) == 3
+    assert any(op["name"] == "aten::addmm" and op["count"] >= 3 for op in result["top_ops"])
+    uploads = [r for r in _results(receiver) if "/21/artifacts" in r["path"]]
+    assert len(uploads) == 1 and "run=profiled" in uploads[0]["path"] and "rank=0" in uploads[0]["path"]
+    assert uploads[0]["t"] <= done[0]["t"]  # the trace first: the result points to a stored trace
+    assert uploads[0]["batch"]["traceEvents"]  # the receiver un-gzips bodies: Chrome-trace JSON
+    assert not torch.autograd.profiler._is_profiler_enabled  # stopped after its 3 steps
+    assert watch.stats()["sent_steps"] > steps_before  # steps recorded all along
+
+
+def test_a_profile_that_fails_is_reported_failed_and_the_steps_go_on(
+    receiver: Receiver, fast: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stepwatch import _profile
+
+    def broken(profiling: Any) -> None:
+        raise RuntimeError("kineto went away")
+
+    monkeypatch.setattr(_profile, "step_ended", broken)
+    commands = [{"id": 22, "kind": "profile", "args": {"steps": 2}}]
+    receiver.respond = lambda batch, headers: (200, {}, {**ACK, "commands": commands})
+    model, opt = make_model()
+    watch = stepwatch.attach(model, opt, run="profile-fails", url=receiver.url, **fast)
+    done = _train_until(model, opt, receiver, "/22/results")
+    train(model, opt, 3)
+    watch.close()
+    assert [(r["batch"]["status"], r["batch"]["message"]) for r in done] == [
+        ("failed", "RuntimeError: kineto went away")
+    ]
+    assert not torch.autograd.profiler._is_profiler_enabled  # the failed profile's profiler was stopped
+    assert watch.stats()["internal_errors"] == 0 and watch.stats()["sent_steps"] >= 4

@@ -9,6 +9,7 @@ switched-off features) so that a disabled or paused agent costs a few attribute 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -479,21 +480,36 @@ class Hooks:
             self.guard.fail("steps", exc)
 
     def _profile_step(self) -> None:
-        """A `profile` command (_profile.py): start tracing at this step's end, or count a traced step."""
+        """A `profile` command (_profile.py): start tracing at this step's end, or count a traced step. A
+        failure here ends the profile (reported as failed), never the step recording it rides on."""
         live = self.live
-        if self._profiling is None:
-            assert live.profile_request is not None
-            (cid, steps), live.profile_request = live.profile_request, None
-            started = _profile.start(cid, steps, self.cuda)
-            if isinstance(started, _profile.Finished):
-                live.profile_done = started
-            else:
-                self._profiling = started
-            return
-        finished = _profile.step_ended(self._profiling)
-        if finished is not None:
-            self._profiling = None
-            live.profile_done = finished
+        profiling, cid, steps = self._profiling, 0, 0
+        try:
+            if profiling is None:
+                assert live.profile_request is not None
+                (cid, steps), live.profile_request = live.profile_request, None
+                started = _profile.start(cid, steps, self.cuda)
+                if isinstance(started, _profile.Finished):
+                    live.profile_done = started
+                else:
+                    self._profiling = started
+                return
+            finished = _profile.step_ended(profiling)
+            if finished is not None:
+                self._profiling = None
+                live.profile_done = finished
+        except Exception as exc:
+            self.stop_profiling()
+            if profiling is not None:
+                cid, steps = profiling.command_id, profiling.steps
+            live.profile_done = _profile.Finished(cid, steps, error=f"{type(exc).__name__}: {exc}"[:500])
+
+    def stop_profiling(self) -> None:
+        """Stop a profile under way (an error, or the watch closing): the profiler never outlives the agent."""
+        profiling, self._profiling = self._profiling, None
+        if profiling is not None:
+            with contextlib.suppress(Exception):
+                profiling.profiler.stop()
 
     def flush(self) -> None:
         """The queued outputs of tracked modules -> one max |x| per call, in one fused reduction."""
@@ -591,7 +607,8 @@ class Hooks:
             self._prev_end, self._prev_end_host = self._mark(), _perf()
 
     def drain(self) -> None:
-        """At close: hand over every finished step."""
+        """At close: hand over every finished step (a profile under way is stopped, unreported)."""
+        self.stop_profiling()
         if self._cur.discarded:
             self._end_skipped()
         self._finalize()

@@ -48,7 +48,7 @@ class Finished:
 
 def start(command_id: int, steps: int, cuda: bool) -> Profiling | Finished:
     """Start tracing now (training thread), or the reason it cannot."""
-    if torch.autograd.profiler._is_profiler_enabled:
+    if getattr(torch.autograd.profiler, "_is_profiler_enabled", False):
         return Finished(command_id, steps, error="a profiler is running already in this process")
     try:
         from torch.profiler import ProfilerActivity, profile
