@@ -167,6 +167,28 @@ async def ask_command(
     return json_response(answer, status=202)
 
 
+def _answer_sync(
+    request: Request, grant: Grant | None, command_id: int, raw: bytes, encoding: str | None, limit: int
+) -> tuple[Outcome, bool]:
+    """Decode, check and store one agent's answer: (the answer, whether it was this rank's first)."""
+    try:
+        outcome = Outcome.model_validate(decode_body(raw, encoding, limit))
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"]) or "body"
+        raise InvalidBatch(f"{where}: {error['msg']}", field=where) from None
+    check_write(grant, outcome.run)
+    if outcome.result is not None and len(json.dumps(outcome.result)) > store.MAX_RESULT_BYTES:
+        raise InvalidBatch(f"result: more than {store.MAX_RESULT_BYTES} bytes as JSON", field="result")
+    with write_transaction(request.app.state.engine) as conn:
+        found = store.find(conn, command_id)
+        if found is None or found[1] != outcome.run:
+            raise NotFound(f"command {command_id} of run {outcome.run!r} not found", field="command_id")
+        o = outcome
+        first = store.answer(conn, found[0], o.rank, o.session, o.status, o.message, o.result)
+    return outcome, first
+
+
 @write_router.post(
     "/commands/{command_id}/results",
     summary="An agent's answer to a command (the agent sends it)",
@@ -177,30 +199,14 @@ async def post_result(
     command_id: CommandId, request: Request, grant: Annotated[Grant | None, Depends(write_access)]
 ) -> Response:
     """The first answer of a rank counts (`first` false for a later one); the answer may carry the commands
-    this rank still owes, as ingest's does."""
+    this rank still owes, as ingest's does. Decoded, checked and stored on a thread of the pool."""
     settings = request.app.state.settings
     raw = await read_body_bounded(request, settings.max_batch_bytes)
-    doc = decode_body(raw, request.headers.get("content-encoding"), settings.max_batch_bytes)
-    try:
-        outcome = Outcome.model_validate(doc)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        where = ".".join(str(part) for part in error["loc"]) or "body"
-        raise InvalidBatch(f"{where}: {error['msg']}", field=where) from None
-    run, rank, status, result = outcome.run, outcome.rank, outcome.status, outcome.result
-    check_write(grant, run)
-    if result is not None and len(json.dumps(result)) > store.MAX_RESULT_BYTES:
-        raise InvalidBatch(f"result: more than {store.MAX_RESULT_BYTES} bytes as JSON", field="result")
-    message, session = outcome.message, outcome.session
-
-    def write() -> bool:
-        with write_transaction(request.app.state.engine) as conn:
-            found = store.find(conn, command_id)
-            if found is None or found[1] != run:
-                raise NotFound(f"command {command_id} of run {run!r} not found", field="command_id")
-            return store.answer(conn, found[0], rank, session, status, message, result)
-
-    first = await run_in_threadpool(write)
+    encoding = request.headers.get("content-encoding")
+    outcome, first = await run_in_threadpool(
+        _answer_sync, request, grant, command_id, raw, encoding, settings.max_batch_bytes
+    )
+    run, rank = outcome.run, outcome.rank
     pending = request.app.state.commands
     if pending is not None:
         pending.answered(run, command_id, rank)
