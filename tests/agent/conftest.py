@@ -269,6 +269,14 @@ def _agent_hygiene(
         "SLURM_PROCID",
         "SLURM_NTASKS",
         "SLURM_LOCALID",
+        "SLURM_JOB_ID",
+        "SLURM_JOB_NAME",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "PMI_RANK",
+        "PMI_SIZE",
+        "MPI_LOCALRANKID",
     ):
         monkeypatch.delenv(var, raising=False)
     yield

@@ -144,6 +144,54 @@ def test_environment_configures_and_arguments_win(
     assert {r["headers"]["authorization"] for r in receiver.requests} == {"Bearer arg-token"}
 
 
+@pytest.mark.parametrize(
+    "launcher",
+    [
+        {
+            "OMPI_COMM_WORLD_RANK": "6",
+            "OMPI_COMM_WORLD_SIZE": "8",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+        },  # Open MPI
+        {"PMI_RANK": "6", "PMI_SIZE": "8", "MPI_LOCALRANKID": "2"},  # MPICH / Intel MPI (Hydra)
+    ],
+)
+def test_mpi_launchers_give_the_identity(
+    receiver: Receiver, fast: dict[str, Any], monkeypatch: pytest.MonkeyPatch, launcher: dict[str, str]
+) -> None:
+    for name, value in launcher.items():
+        monkeypatch.setenv(name, value)
+    model, opt = make_model()
+    watch = stepwatch.attach(model, opt, run="mpi", url=receiver.url, **fast)
+    train(model, opt, 1)
+    watch.close(timeout_s=5)
+    batch = receiver.data_batches()[0]
+    assert (batch["rank"], batch["world_size"], batch["local_rank"]) == (6, 8, 2)
+
+
+def test_a_slurm_job_names_its_run_when_none_is_given(
+    receiver: Receiver, fast: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every rank of one SLURM job lands in one run, `<job name>-<job id>`, and the next job in a new one;
+    STEPWATCH_RUN and run= still win."""
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_JOB_NAME", "pretrain 7b (v2)")
+    model, opt = make_model()
+    for run, env_run, expected in ((None, None, "pretrain-7b-v2-4242"), (None, "env-run", "env-run"),
+                                   ("arg-run", "env-run", "arg-run")):  # fmt: skip
+        if env_run is not None:
+            monkeypatch.setenv("STEPWATCH_RUN", env_run)
+        before = len(receiver.data_batches())
+        watch = stepwatch.attach(model, opt, run=run, url=receiver.url, **fast)
+        train(model, opt, 1)
+        watch.close(timeout_s=5)
+        sent = receiver.data_batches()[before:]
+        assert sent and {b["run"] for b in sent} == {expected}
+    monkeypatch.delenv("SLURM_JOB_ID")
+    monkeypatch.delenv("STEPWATCH_RUN")
+    with pytest.raises(ValueError, match="under SLURM it defaults to <job name>-<job id>"):
+        stepwatch.attach(model, opt, url=receiver.url, **fast)
+
+
 def test_slurm_identity(receiver: Receiver, fast: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLURM_PROCID", "5")
     monkeypatch.setenv("SLURM_NTASKS", "8")

@@ -146,6 +146,22 @@ def _url(value: Any) -> str:
     return value
 
 
+def _run_chars(text: str) -> str:
+    """`text` with each run of characters a run name cannot hold as one '-', without '-' or '.' at the ends."""
+    return re.sub(r"[^A-Za-z0-9._:/@+\-]+", "-", text.strip()).strip("-.")
+
+
+def slurm_run(environ: Mapping[str, str]) -> str | None:
+    """The run name of a SLURM job's ranks when none is given: `<job name>-<job id>` (`SLURM_JOB_NAME`,
+    `SLURM_JOB_ID`; the name's characters a run name cannot hold become '-'), the same on every rank of
+    the job and new with each job; None outside SLURM."""
+    job = _run_chars(environ.get("SLURM_JOB_ID", ""))[:40]
+    if not job:
+        return None
+    name = _run_chars(environ.get("SLURM_JOB_NAME", ""))
+    return f"{name or 'slurm'}"[: 199 - len(job)] + f"-{job}"[:200]
+
+
 def build_config(
     run: str | None,
     url: str | None,
@@ -160,9 +176,12 @@ def build_config(
             f"stepwatch: unknown option {unknown[0]!r}; the options are url, run, token, "
             + ", ".join(OPTION_NAMES)
         )
-    run = run if run is not None else environ.get("STEPWATCH_RUN")
+    run = run if run is not None else (environ.get("STEPWATCH_RUN") or slurm_run(environ))
     if run is None:
-        raise ValueError("stepwatch: option run is missing; pass run='my-run' or set STEPWATCH_RUN")
+        raise ValueError(
+            "stepwatch: option run is missing; pass run='my-run' or set STEPWATCH_RUN (under SLURM it defaults "
+            "to <job name>-<job id>)"
+        )
     if not isinstance(run, str) or not RUN_NAME.fullmatch(run):
         raise ValueError(f"stepwatch: option run={run!r} must be 1-200 characters of A-Za-z0-9._:/@+-")
     if not run.strip("."):

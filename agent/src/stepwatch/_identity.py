@@ -11,8 +11,14 @@ from dataclasses import dataclass, replace
 from ._config import Config
 from ._layout import Layout
 
-# (rank, world size, local rank) variables, in order of preference: torchrun, then SLURM.
-_ENV_SCHEMES = (("RANK", "WORLD_SIZE", "LOCAL_RANK"), ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
+# (rank, world size, local rank) variables, in order of preference: torchrun, SLURM (srun), Open MPI's
+# mpirun, then MPICH / Intel MPI (Hydra's PMI).
+_ENV_SCHEMES = (
+    ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+)
 
 
 @dataclass(frozen=True)
@@ -59,7 +65,7 @@ def _from_torch_distributed() -> tuple[int, int] | None:
 
 
 def detect(config: Config, environ: Mapping[str, str] = os.environ) -> Identity:
-    """torch.distributed when initialised, else torchrun/SLURM variables, else a single process."""
+    """torch.distributed when initialised, else torchrun/SLURM/MPI variables, else a single process."""
     rank, world, local = 0, 1, None
     for rank_var, world_var, local_var in _ENV_SCHEMES:
         env_rank, env_world = _env_int(environ, rank_var), _env_int(environ, world_var)
