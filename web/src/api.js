@@ -20,16 +20,30 @@ export async function getJson(path, params = {}) {
   const url = query.size ? `${path}?${query}` : path;
   const response = await fetch(url, { headers: { Accept: "application/json" } });
   if (!response.ok) {
-    let message = `${response.status} ${response.statusText}`;
-    try {
-      message = (await response.json()).error?.message ?? message;
-    } catch {
-      /* not JSON: keep the status line */
-    }
     if (response.status === 401) unauthorized();
-    throw new ApiError(response.status, message);
+    throw await apiError(response);
   }
   return response.json();
+}
+
+/** POST a JSON body (a write: `token`, when given, goes in this request's Authorization header only). */
+export async function postJson(path, body, token = null) {
+  const headers = { "Content-Type": "application/json", Accept: "application/json" };
+  if (token) headers.Authorization = `Bearer ${token}`;
+  const response = await fetch(path, { method: "POST", headers, body: JSON.stringify(body) });
+  if (!response.ok) throw await apiError(response);
+  return response.json();
+}
+
+/** The API's error answer as an ApiError: its message, else the status line. */
+async function apiError(response) {
+  let message = `${response.status} ${response.statusText}`;
+  try {
+    message = (await response.json()).error?.message ?? message;
+  } catch {
+    /* not JSON: keep the status line */
+  }
+  return new ApiError(response.status, message);
 }
 
 const NONFINITE = { NaN: NaN, Infinity: Infinity, "-Infinity": -Infinity };

@@ -1,7 +1,7 @@
 // The evidence asked at an anomaly (commands, README "Evidence at a verdict"): every rank's stacks at a hang,
 // grouped; two ranks' profiler traces at a straggler, linked and compared. Each is a <details> read from the
 // API when first opened, and again on each opening while ranks are still to answer.
-import { getJson, runPath } from "./api.js";
+import { getJson, postJson, runPath } from "./api.js";
 import { el, fmtBytes, fmtInt, fmtNum } from "./format.js";
 
 const TITLES = { stacks: "Stacks of every rank", profile: "Profiler traces" };
@@ -39,23 +39,13 @@ function askButton(a, box) {
 }
 
 async function postCommand(a, body) {
-  let token = null;
-  for (;;) {
-    const headers = { "Content-Type": "application/json", Accept: "application/json" };
-    if (token) headers.Authorization = `Bearer ${token}`;
-    const response = await fetch(`${runPath(a.run)}/commands`, { method: "POST", headers, body: JSON.stringify(body) });
-    if (response.ok) return response.json();
-    if ((response.status === 401 || response.status === 403) && token === null) {
-      token = window.prompt(`Asking the ranks of ${a.run} writes: paste a write token for this run (it is not kept)`);
-      if (token) continue;
-    }
-    let message = `${response.status} ${response.statusText}`;
-    try {
-      message = (await response.json()).error?.message ?? message;
-    } catch {
-      /* not JSON: keep the status line */
-    }
-    throw new Error(message);
+  try {
+    return await postJson(`${runPath(a.run)}/commands`, body);
+  } catch (e) {
+    if (e.status !== 401 && e.status !== 403) throw e;
+    const token = window.prompt(`Asking the ranks of ${a.run} writes: paste a write token for this run (it is not kept)`);
+    if (!token) throw e;
+    return postJson(`${runPath(a.run)}/commands`, body, token);
   }
 }
 

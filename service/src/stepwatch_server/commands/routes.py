@@ -28,7 +28,7 @@ from stepwatch_server.ingest.body import decode_body, read_body_bounded
 from stepwatch_server.ingest.schema import MAX_WORLD_SIZE
 from stepwatch_server.params import Conn
 from stepwatch_server.responses import json_response
-from stepwatch_server.runs import deletion
+from stepwatch_server.runs import queries
 from stepwatch_server.storage import write_transaction
 from stepwatch_server.storage.models import Anomaly
 
@@ -121,18 +121,14 @@ def ask_sync(
     request: Request, run: str, ask: AskStacks | AskProfile, requested_by: str, reason: str
 ) -> dict[str, Any]:
     with write_transaction(request.app.state.engine) as conn:
-        found = deletion.find(conn, run)
-        if found is None:
-            raise NotFound(f"run {run!r} not found; GET /api/v1/runs lists the runs", field="run")
+        found = queries.find_run(conn, run)
         if ask.anomaly_id is not None and not store.anomaly_of(conn, found.id, ask.anomaly_id):
             raise NotFound(f"anomaly {ask.anomaly_id} of run {run!r} not found", field="anomaly_id")
         targets, args = ask.asked()
         cid = store.ask(
             conn, found.id, ask.kind, targets, args, requested_by, reason, ask.anomaly_id, ask.answer_within_s
         )
-        command = store.find(conn, cid)
-    assert command is not None
-    row = command[0]
+        row = store.find(conn, cid, run)
     pending = request.app.state.commands
     if pending is not None:
         pending.asked(store.asked(row, run))
@@ -181,11 +177,9 @@ def _answer_sync(
     if outcome.result is not None and len(json.dumps(outcome.result)) > store.MAX_RESULT_BYTES:
         raise InvalidBatch(f"result: more than {store.MAX_RESULT_BYTES} bytes as JSON", field="result")
     with write_transaction(request.app.state.engine) as conn:
-        found = store.find(conn, command_id)
-        if found is None or found[1] != outcome.run:
-            raise NotFound(f"command {command_id} of run {outcome.run!r} not found", field="command_id")
+        command = store.find(conn, command_id, outcome.run)
         o = outcome
-        first = store.answer(conn, found[0], o.rank, o.session, o.status, o.message, o.result)
+        first = store.answer(conn, command, o.rank, o.session, o.status, o.message, o.result)
     return outcome, first
 
 
@@ -225,10 +219,7 @@ def read_command(run: str, command_id: CommandId, conn: Conn) -> Response:
     """Per rank: `done`, `refused` or `failed` (with its message), `waiting` (not answered yet) or `no answer`
     (none within the command's time); the `done` stacks grouped by the training thread's frames, smallest
     group first, the blamed rank's (a command asked at a verdict) before all."""
-    found = store.find(conn, command_id)
-    if found is None or found[1] != run:
-        raise NotFound(f"command {command_id} of run {run!r} not found", field="command_id")
-    row = found[0]
+    row = store.find(conn, command_id, run)
     answers = {r.rank: r for r in store.results(conn, command_id)}
     asked = list(row.targets) if row.targets is not None else store.run_ranks(conn, row.run_id)
     expired = row.expires_at <= store.now()
@@ -271,8 +262,7 @@ def read_trace(
     rank: Annotated[int, PathParam(ge=0, lt=MAX_WORLD_SIZE, description="the rank")],
     conn: Conn,
 ) -> Response:
-    found = store.find(conn, command_id)
-    data = store.artifact(conn, command_id, rank) if found is not None and found[1] == run else None
+    data = store.artifact(conn, store.find(conn, command_id, run).id, rank)
     if data is None:
         raise NotFound(f"no trace of rank {rank} for command {command_id} of run {run!r}", field="rank")
     name = f"stepwatch-{command_id}-rank{rank}.json.gz"
@@ -301,10 +291,7 @@ async def post_artifact(
 
     def write() -> bool:
         with write_transaction(request.app.state.engine) as conn:
-            found = store.find(conn, command_id)
-            if found is None or found[1] != run:
-                raise NotFound(f"command {command_id} of run {run!r} not found", field="command_id")
-            return store.store_artifact(conn, found[0], rank, data)
+            return store.store_artifact(conn, store.find(conn, command_id, run), rank, data)
 
     first = await run_in_threadpool(write)
     return json_response({"accepted": True, "first": first, "bytes": len(data)})
@@ -323,7 +310,5 @@ def _blamed(conn: Conn, anomaly_id: int | None) -> int | None:
     responses={**RUN_NOT_FOUND},
 )
 def list_commands(run: str, conn: Conn) -> Response:
-    found = deletion.find(conn, run)
-    if found is None:
-        raise NotFound(f"run {run!r} not found; GET /api/v1/runs lists the runs", field="run")
+    found = queries.find_run(conn, run)
     return json_response({"commands": [_command(r) for r in store.listed(conn, found.id)]})

@@ -9,6 +9,7 @@ from typing import Any, cast
 
 from sqlalchemy import Connection, Table, delete, func, insert, select
 
+from stepwatch_server.errors import NotFound
 from stepwatch_server.ingest.store import insert_ignore
 from stepwatch_server.storage.models import Anomaly, Command, CommandArtifact, CommandResult, Rank, Run
 
@@ -109,14 +110,16 @@ def unexpired(conn: Connection) -> list[tuple[Asked, set[int]]]:
     return [(asked(r, r.run_name), answered[int(r.id)]) for r in rows]
 
 
-def find(conn: Connection, command_id: int) -> tuple[Any, str] | None:
-    """The command's row and its run's name."""
+def find(conn: Connection, command_id: int, run: str) -> Any:
+    """Command `command_id` of run `run` (its row), or 404 naming the command."""
     row = conn.execute(
-        select(Command.__table__, Run.name.label("run_name"))
+        select(Command.__table__)
         .join(Run, Run.id == Command.run_id)
-        .where(Command.id == command_id)
+        .where(Command.id == command_id, Run.name == run)
     ).first()
-    return None if row is None else (row, str(row.run_name))
+    if row is None:
+        raise NotFound(f"command {command_id} of run {run!r} not found", field="command_id")
+    return row
 
 
 def answer(
