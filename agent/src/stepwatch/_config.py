@@ -146,7 +146,7 @@ def _url(value: Any) -> str:
     return value
 
 
-def _run_chars(text: str) -> str:
+def run_chars(text: str) -> str:
     """`text` with each run of characters a run name cannot hold as one '-', without '-' or '.' at the ends."""
     return re.sub(r"[^A-Za-z0-9._:/@+\-]+", "-", text.strip()).strip("-.")
 
@@ -155,10 +155,10 @@ def slurm_run(environ: Mapping[str, str]) -> str | None:
     """The run name of a SLURM job's ranks when none is given: `<job name>-<job id>` (`SLURM_JOB_NAME`,
     `SLURM_JOB_ID`; the name's characters a run name cannot hold become '-'), the same on every rank of
     the job and new with each job; None outside SLURM."""
-    job = _run_chars(environ.get("SLURM_JOB_ID", ""))[:40]
+    job = run_chars(environ.get("SLURM_JOB_ID", ""))[:40]
     if not job:
         return None
-    name = _run_chars(environ.get("SLURM_JOB_NAME", ""))
+    name = run_chars(environ.get("SLURM_JOB_NAME", ""))
     return f"{name or 'slurm'}"[: 199 - len(job)] + f"-{job}"[:200]
 
 

@@ -1,0 +1,122 @@
+"""The trainer integrations' own edges (README "In a trainer"), one process against the test receiver: the
+run name a framework's setting gives, the optimizer inside accelerate's wrapper, bad options refused at the
+user's own line, a clear error without the framework. The 2-process runs against a real collector are in
+tests/e2e/test_trainer_integrations.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import require_module
+
+from .conftest import REPO_AGENT_SRC, Receiver
+
+require_module("transformers")
+
+import torch  # noqa: E402
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from stepwatch import NullWatch  # noqa: E402
+from stepwatch.integrations._support import framework_run, torch_optimizer  # noqa: E402
+from stepwatch.integrations.transformers import StepwatchCallback  # noqa: E402
+from tests.e2e.trainer_ranks import Tokens, tiny_llama  # noqa: E402
+
+
+def test_an_integration_without_its_framework_says_which_to_install() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["transformers"] = None  # as if it were not installed
+        try:
+            import stepwatch.integrations.transformers
+        except ImportError as exc:
+            print(exc)
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO_AGENT_SRC))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "needs transformers 4.46 or newer (tested with 5.25.0)" in out.stdout, out.stdout
+    assert "pip install 'transformers>=4.46'" in out.stdout, out.stdout
+
+
+def test_a_bad_option_fails_where_the_callback_is_made() -> None:
+    with pytest.raises(ValueError, match="amax_every"):
+        StepwatchCallback(amax_every=0)
+    with pytest.raises(ValueError, match="unknown option 'evry'"):
+        StepwatchCallback(evry=3)
+
+
+def test_a_framework_setting_becomes_a_valid_run_name() -> None:
+    assert framework_run("llama 8b / sft #3") == "llama-8b-/-sft-3"
+    assert framework_run("  ") is None and framework_run(None) is None
+
+
+def _trainer(tmp_path: Path, callback: StepwatchCallback, run_name: str | None, steps: int = 4) -> Trainer:
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        run_name=run_name,
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    model = tiny_llama(vocab=32, hidden=16, layers=1, seq=8)
+    return Trainer(model=model, args=args, train_dataset=Tokens(64, 8, 32, seed=0), callbacks=[callback])
+
+
+def test_the_run_is_the_training_arguments_run_name_and_the_loss_the_trainers(
+    receiver: Receiver, fast: dict[str, Any], tmp_path: Path
+) -> None:
+    callback = StepwatchCallback(url=receiver.url, **fast)
+    trainer = _trainer(tmp_path, callback, run_name="sft run #1")
+    trainer.train()
+    assert callback.watch is None  # closed when training ended
+    runs = {b["run"] for b in receiver.accepted()}
+    assert runs == {"sft-run-1"}
+    records = receiver.records()
+    assert sorted(records) == [1, 2, 3, 4]
+    logged = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+    for step, record in records.items():  # one process: the loss is the Trainer's for the step
+        assert record["loss"] == pytest.approx(logged[step], rel=1e-5), step
+
+
+def test_run_wins_over_the_run_name_and_a_disabled_agent_trains_untouched(
+    receiver: Receiver, fast: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    callback = StepwatchCallback(run="mine", url=receiver.url, **fast)
+    _trainer(tmp_path, callback, run_name="theirs", steps=2).train()
+    assert {b["run"] for b in receiver.accepted()} == {"mine"}
+
+    monkeypatch.setenv("STEPWATCH_DISABLED", "1")
+    disabled = StepwatchCallback(run="off", url=receiver.url, **fast)
+    trainer = _trainer(tmp_path, disabled, run_name=None, steps=2)
+    seen: list[Any] = []
+
+    class Spy(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            seen.append(disabled.watch)
+
+    trainer.add_callback(Spy())
+    trainer.train()
+    assert seen and all(isinstance(w, NullWatch) for w in seen)
+    assert "off" not in {b["run"] for b in receiver.accepted()}
+
+
+def test_the_optimizer_inside_accelerates_wrapper_is_the_one_watched() -> None:
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    inner = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    assert torch_optimizer(AcceleratedOptimizer(inner, device_placement=False)) is inner
+    assert torch_optimizer(inner) is inner
