@@ -571,3 +571,36 @@ def test_wire_names_keep_valid_names_and_make_the_others_valid_and_distinct() ->
     assert wires[-1] == "fc1" and len(set(wires)) == len(names)
     assert all(NAME.fullmatch(w) for w in wires)
     assert wires[4] != wires[5] and all(len(w) <= 200 for w in wires)
+
+
+@pytest.mark.parametrize("how", ["keyword", "positional"])
+def test_a_step_whose_forward_and_backward_run_in_its_closure_reports_that_steps_values(
+    receiver: Receiver, fast: dict[str, Any], how: str
+) -> None:
+    """`optimizer.step(closure)` (Lightning, LBFGS) runs the optimizer's pre-hooks before the closure, so
+    before that step's forward and backward: the agent starts the update when the closure returns. Each
+    record holds its own step's loss and grad norm (not the step before's), with a forward and an optimizer
+    time, and zero_grad inside the closure (before backward, as Lightning does) is no skipped step."""
+    model, opt = make_model()
+    watch = stepwatch.attach(model, opt, run=f"closure-{how}", url=receiver.url, **fast)
+    gen = torch.Generator().manual_seed(1)
+    losses, norms = [], []
+    for _ in range(30):
+        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen)
+
+        def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            loss = model(x, y)["loss"]
+            opt.zero_grad()
+            loss.backward()
+            losses.append(loss.item())
+            norms.append(float(nn.utils.get_total_norm([p.grad for p in model.parameters()])))
+            return loss
+
+        opt.step(closure=closure) if how == "keyword" else opt.step(closure)
+    watch.close(timeout_s=5)
+    records = receiver.records()
+    assert sorted(records) == list(range(1, 31))
+    assert [records[s]["loss"] for s in range(1, 31)] == pytest.approx(losses, rel=1e-6)
+    assert [records[s]["grad_norm"] for s in range(1, 31)] == pytest.approx(norms, rel=1e-5)
+    assert all(records[s]["time.forward_ms"] > 0 and records[s]["time.optimizer_ms"] > 0 for s in records)
+    assert all(records[s].get("optimizer.skipped", 0) == 0 for s in records)

@@ -205,6 +205,7 @@ class Hooks:
         self._paused = 0
         self._profiling: _profile.Profiling | None = None  # a profile command under way
         self._handles: list[Any] = []
+        self._step_fns: list[tuple[Any, str, StepFunction, bool]] = []
         self._bad_names: set[str] = set()
         self._good_names: set[str] = set()
         self._params: list[torch.Tensor] = []
@@ -311,9 +312,24 @@ class Hooks:
         except Exception as exc:
             self.guard.fail("loss", exc)
 
-    def _on_step_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _on_step_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         if "steps" in self._off:
-            return
+            return None
+        # args are step()'s own, the optimizer first: step(closure) gives (optimizer, closure)
+        named = "closure" in kwargs
+        closure = kwargs["closure"] if named else (args[1] if len(args) > 1 else None)
+        if callable(closure):
+            # `optimizer.step(closure)` (Lightning, LBFGS): the forward and backward run inside the step,
+            # so the step proper begins when the closure returns (its first call).
+            wrapped = _AfterClosure(closure, self._step_begins, optimizer)
+            if named:
+                return args, {**kwargs, "closure": wrapped}
+            return (args[0], wrapped, *args[2:]), kwargs
+        self._step_begins(optimizer)
+        return None
+
+    def _step_begins(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer's update begins: its clock starts, the gradients and learning rates are read."""
         try:
             if not self._cur.n_fwd:  # no forward seen through the root model this step
                 self._finalize_and_maybe_transfer()
@@ -614,10 +630,30 @@ class Hooks:
         self._finalize()
         self.transfer()
 
+    def step_function(self, owner: Any, name: str) -> None:
+        """Take `owner.<name>` (a LightningModule's `training_step`, which may call the model's forward or
+        not) as the step's forward: its start and end time the forward, its result gives the loss, and the
+        root forward hooks give way to it."""
+        for handle in self._handles[:2]:  # the root's forward pre-hook and hook (__init__'s order)
+            handle.remove()
+        del self._handles[:2]
+        wrapper = StepFunction(self, owner, getattr(owner, name))
+        own = name in owner.__dict__  # an instance attribute already: given back at remove()
+        setattr(owner, name, wrapper)
+        self._step_fns.append((owner, name, wrapper, own))
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        for owner, name, wrapper, own in self._step_fns:
+            wrapper.hooks = None  # inert, wherever it still is
+            if owner.__dict__.get(name) is wrapper:
+                if own:
+                    setattr(owner, name, wrapper.inner)
+                else:
+                    delattr(owner, name)
+        self._step_fns = []
         for module, tap in self._taps:
             tap.hooks = None  # inert, wherever it still is
             if module.__dict__.get("forward") is tap:
@@ -628,6 +664,47 @@ class Hooks:
         self._taps = []
         if self.optimizer.__dict__.get("zero_grad") == self._on_zero_grad:
             del self.optimizer.zero_grad
+
+
+class _AfterClosure:
+    """An optimizer's closure that calls `begins(optimizer)` after its first evaluation returns."""
+
+    __slots__ = ("begins", "closure", "optimizer")
+
+    def __init__(self, closure: Callable[[], Any], begins: Callable[[Any], None], optimizer: Any) -> None:
+        self.closure, self.optimizer = closure, optimizer
+        self.begins: Callable[[Any], None] | None = begins
+
+    def __call__(self) -> Any:
+        result = self.closure()
+        begins, self.begins = self.begins, None
+        if begins is not None:
+            begins(self.optimizer)
+        return result
+
+
+class StepFunction:
+    """What a framework's step function (a LightningModule's `training_step`) becomes under
+    `Hooks.step_function`: timed and read for the loss as the model's forward. Copied or pickled as the
+    function it wraps, like `Tap`."""
+
+    __slots__ = ("hooks", "inner", "owner")
+
+    def __init__(self, hooks: Hooks | None, owner: Any, inner: Callable[..., Any]) -> None:
+        self.hooks, self.owner, self.inner = hooks, owner, inner
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.inner.__reduce_ex__(protocol)
+
+    @_eager
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        hooks = self.hooks
+        if hooks is None:
+            return self.inner(*args, **kwargs)
+        hooks._on_forward_pre(self.owner, args)
+        out = self.inner(*args, **kwargs)
+        hooks._on_forward(self.owner, args, out)
+        return out
 
 
 class Tap:
