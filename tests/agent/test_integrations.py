@@ -29,13 +29,23 @@ from stepwatch.integrations.transformers import StepwatchCallback  # noqa: E402
 from tests.e2e.trainer_ranks import Tokens, tiny_llama  # noqa: E402
 
 
-def test_an_integration_without_its_framework_says_which_to_install() -> None:
+@pytest.mark.parametrize(
+    ("integration", "blocked", "says"),
+    [
+        ("transformers", ["transformers"], "needs transformers 4.46 or newer (tested with 5.25.0)"),
+        ("lightning", ["lightning", "pytorch_lightning"], "needs lightning 2.0 or newer (tested with 2.6.6)"),
+    ],
+)
+def test_an_integration_without_its_framework_says_which_to_install(
+    integration: str, blocked: list[str], says: str
+) -> None:
     code = textwrap.dedent(
-        """
+        f"""
         import sys
-        sys.modules["transformers"] = None  # as if it were not installed
+        for name in {blocked!r}:
+            sys.modules[name] = None  # as if it were not installed
         try:
-            import stepwatch.integrations.transformers
+            import stepwatch.integrations.{integration}
         except ImportError as exc:
             print(exc)
         """
@@ -43,8 +53,7 @@ def test_an_integration_without_its_framework_says_which_to_install() -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO_AGENT_SRC))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
-    assert "needs transformers 4.46 or newer (tested with 5.25.0)" in out.stdout, out.stdout
-    assert "pip install 'transformers>=4.46'" in out.stdout, out.stdout
+    assert says in out.stdout and "pip install" in out.stdout, out.stdout
 
 
 def test_a_bad_option_fails_where_the_callback_is_made() -> None:
@@ -120,3 +129,56 @@ def test_the_optimizer_inside_accelerates_wrapper_is_the_one_watched() -> None:
     inner = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     assert torch_optimizer(AcceleratedOptimizer(inner, device_placement=False)) is inner
     assert torch_optimizer(inner) is inner
+
+
+# lightning 2.6.6 with torch 2.13 (lightning's own call into torch.utils._pytree)
+@pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning")
+def test_lightning_on_one_device_times_training_step_as_the_forward_and_reads_its_loss(
+    receiver: Receiver, fast: dict[str, Any], tmp_path: Path
+) -> None:
+    """On one device Lightning calls `training_step` directly, never the module's `__call__` (under DDP it
+    redirects it through `forward`): without the step function the agent would see no forward and no loss."""
+    require_module("lightning")
+    import lightning.pytorch as pl
+
+    from stepwatch.integrations.lightning import StepwatchCallback as LightningCallback
+
+    losses: list[float] = []
+
+    class Regression(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> dict[str, Any]:
+            loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+            losses.append(loss.item())
+            return {"loss": loss}
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 8)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4
+    )
+    callback = LightningCallback(run="lightning-one", url=receiver.url, **fast)
+    module = Regression()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[callback],
+    )
+    trainer.fit(module, loader)
+    assert callback.watch is None and "training_step" not in module.__dict__  # closed, given back
+    records = receiver.records()
+    assert sorted(records) == [1, 2, 3, 4, 5, 6]
+    assert [records[s]["loss"] for s in range(1, 7)] == pytest.approx(losses, rel=1e-6)
+    assert all(records[s]["time.forward_ms"] > 0 for s in records)

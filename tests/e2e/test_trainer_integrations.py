@@ -22,11 +22,14 @@ import pytest
 
 from tests.conftest import require_module
 from tests.e2e.conftest import Collector
+from tests.e2e.lightning_ranks import NAN_MODULE as LIGHTNING_NAN_MODULE
+from tests.e2e.lightning_ranks import VAL_EVERY as LIGHTNING_VAL_EVERY
 from tests.e2e.test_detection_real import anomalies, detection_idle, rank_processes, wait_finished
 from tests.e2e.trainer_ranks import EVAL_STEPS, NAN_MODULE
 
 require_module("torch")
 require_module("transformers")
+require_module("lightning")
 require_module("stepwatch")
 
 WORLD_SIZE = 2
@@ -35,16 +38,54 @@ WAIT_S = 180.0
 EVAL_SLEEP_S = 0.15  # per eval batch: 16 items / 4 per batch / 2 ranks = 2 batches a rank, >= 0.3 s an eval
 
 
-def train(collector: Collector, tmp_path: Path, steps: int, **extra: float) -> str:
-    run = f"hf-{uuid.uuid4().hex[:8]}"
+def launch(collector: Collector, tmp_path: Path, module: str, steps: int, **extra: float) -> str:
+    """Run `module`'s ranks to their end against the collector; the run's name."""
+    run = f"{module.rsplit('.', 1)[-1]}-{uuid.uuid4().hex[:8]}"
     args = ["--url", collector.url, "--run", run, "--steps", str(steps), "--deadline-s", str(DEADLINE_S)]
     args += ["--out", str(tmp_path), "--spool-dir", str(tmp_path / "spool")]
     for name, value in extra.items():
         args += [f"--{name.replace('_', '-')}", str(value)]
-    with rank_processes("tests.e2e.trainer_ranks", WORLD_SIZE, args, tmp_path) as procs:
+    with rank_processes(module, WORLD_SIZE, args, tmp_path) as procs:
         wait_finished(procs, tmp_path, WAIT_S)
     detection_idle(collector)
     return run
+
+
+def train(collector: Collector, tmp_path: Path, steps: int, **extra: float) -> str:
+    return launch(collector, tmp_path, "tests.e2e.trainer_ranks", steps, **extra)
+
+
+def fit(collector: Collector, tmp_path: Path, steps: int, **extra: float) -> str:
+    return launch(collector, tmp_path, "tests.e2e.lightning_ranks", steps, **extra)
+
+
+def assert_the_nan_names(collector: Collector, run: str, rank: int, step: int, module: str) -> None:
+    """The first non-finite finding blames `rank` at `step` in `module`; any later one (every rank, once
+    the NaN gradients were applied) blames no rank."""
+    found = [a for a in anomalies(collector, run) if a["kind"] == "nonfinite"]
+    first = min(a["first_step"] for a in found)
+    culprit = [a for a in found if a["first_step"] == first]
+    assert len(culprit) == 1, found
+    nan = culprit[0]
+    assert (nan["rank"], nan["first_step"], nan["severity"]) == (rank, step, "critical"), nan
+    assert nan["evidence"]["module"] == module, nan
+    assert all(a["rank"] is None and a["first_step"] > step for a in found if a is not nan), found
+
+
+def assert_pauses_and_nothing_else(
+    collector: Collector, run: str, phase: str, every_n: int, steps: int
+) -> None:
+    """A pause `phase` marked on both ranks after every `every_n`-th step, none of it in the next step's data
+    wait (each takes >= 2 x EVAL_SLEEP_S), and no anomaly at all."""
+    events = collector.get(f"/api/v1/runs/{run}/events?kind=phase_start&limit=1000")["events"]
+    marked = sorted((e["rank"], e["step"]) for e in events if e["data"]["phase"] == phase)
+    marks = list(range(every_n, steps + 1, every_n))
+    assert marked == [(rank, s) for rank in (0, 1) for s in marks], events
+    data = series(collector, run, "time.data_ms")
+    after = [s + 1 for s in marks if s < steps]
+    assert all(data[rank][s] < 1000 * EVAL_SLEEP_S for rank in (0, 1) for s in after), data
+    found = anomalies(collector, run)
+    assert found == [], "\n".join(f"{a['kind']} rank {a['rank']}: {a['summary']}" for a in found)
 
 
 def series(collector: Collector, run: str, metric: str) -> dict[int, dict[int, float]]:
@@ -78,30 +119,41 @@ def test_a_trainer_run_is_recorded_step_by_step_with_the_trainers_loss_and_its_e
     norms = series(collector, run, "grad_norm")
     assert all(0 < norms[0][s] <= 1.0 + 1e-4 for s in every), norms[0]
 
-    events = collector.get(f"/api/v1/runs/{run}/events?kind=phase_start&limit=1000")["events"]
-    evals = sorted((e["rank"], e["step"]) for e in events if e["data"]["phase"] == "evaluate")
-    marks = [s for s in every if s % EVAL_STEPS == 0]
-    assert evals == [(rank, s) for rank in (0, 1) for s in marks], events
-    data = series(collector, run, "time.data_ms")
-    after = [s + 1 for s in marks if s < steps]
-    # an evaluation takes >= 300 ms (2 batches x EVAL_SLEEP_S); marked, it is not the next step's data wait
-    assert all(data[rank][s] < 1000 * EVAL_SLEEP_S for rank in (0, 1) for s in after), data
-
-    found = anomalies(collector, run)
-    assert found == [], "\n".join(f"{a['kind']} rank {a['rank']}: {a['summary']}" for a in found)
+    assert_pauses_and_nothing_else(collector, run, "evaluate", EVAL_STEPS, steps)
 
 
 def test_a_nan_in_one_layer_of_one_rank_under_the_trainer_is_nonfinite_naming_rank_step_and_layer(
     collector: Collector, tmp_path: Path
 ) -> None:
     run = train(collector, tmp_path, steps=16, nan_rank=1, nan_step=12)
-    found = [a for a in anomalies(collector, run) if a["kind"] == "nonfinite"]
-    first = min(a["first_step"] for a in found)
-    culprit = [a for a in found if a["first_step"] == first]
-    assert len(culprit) == 1, found
-    nan = culprit[0]
-    assert (nan["rank"], nan["first_step"], nan["severity"]) == (1, 12, "critical"), nan
-    assert nan["evidence"]["module"] == NAN_MODULE, nan
-    # The Trainer applied the NaN gradients: from step 13 every rank's model is non-finite (its own finding,
-    # blaming no rank).
-    assert all(a["rank"] is None and a["first_step"] == 13 for a in found if a is not nan), found
+    assert_the_nan_names(collector, run, rank=1, step=12, module=NAN_MODULE)
+
+
+def test_a_lightning_fit_is_recorded_step_by_step_with_each_steps_own_loss_and_grad_norm(
+    collector: Collector, tmp_path: Path
+) -> None:
+    steps = 30
+    run = fit(collector, tmp_path, steps, val_sleep_s=EVAL_SLEEP_S)
+    every = list(range(1, steps + 1))
+    for metric in ("loss", "grad_norm", "lr", "time.forward_ms", "time.backward_ms", "time.optimizer_ms"):
+        values = series(collector, run, metric)
+        assert {rank: sorted(v) for rank, v in values.items()} == {0: every, 1: every}, metric
+    loss, norms = series(collector, run, "loss"), series(collector, run, "grad_norm")
+    for rank in (0, 1):
+        seen = {int(k): v for k, v in json.loads((tmp_path / f"rank-{rank}.json").read_text()).items()}
+        assert sorted(seen) == every
+        # Lightning runs forward and backward inside optimizer.step(closure): each record must hold its own
+        # step's values (before the agent followed closures, each held the step before's)
+        assert [loss[rank][s] for s in every] == pytest.approx([seen[s]["loss"] for s in every], rel=1e-5)
+        assert [norms[rank][s] for s in every] == pytest.approx(
+            [seen[s]["grad_norm"] for s in every], rel=1e-5
+        )
+
+    assert_pauses_and_nothing_else(collector, run, "validate", LIGHTNING_VAL_EVERY, steps)
+
+
+def test_a_nan_in_one_layer_of_one_rank_under_lightning_is_nonfinite_naming_rank_step_and_layer(
+    collector: Collector, tmp_path: Path
+) -> None:
+    run = fit(collector, tmp_path, steps=16, nan_rank=1, nan_step=12)
+    assert_the_nan_names(collector, run, rank=1, step=12, module=LIGHTNING_NAN_MODULE)

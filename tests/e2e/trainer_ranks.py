@@ -61,7 +61,17 @@ def tiny_llama(vocab: int, hidden: int, layers: int, seq: int) -> torch.nn.Modul
     return LlamaForCausalLM(config)
 
 
-def _exit_at(deadline_s: float) -> None:
+def poison(module: torch.nn.Module, now: dict[str, bool]) -> None:
+    """While `now["on"]`, `module`'s own computation overflows in training forwards: its output is the first
+    non-finite one (its input made NaN)."""
+
+    def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
+        return (args[0] * float("nan"),) if now["on"] and torch.is_grad_enabled() else None
+
+    module.register_forward_pre_hook(hook)
+
+
+def exit_at(deadline_s: float) -> None:
     def stop() -> None:
         time.sleep(deadline_s)
         print(f"trainer_ranks: deadline of {deadline_s:.0f} s reached; exiting", flush=True)
@@ -70,7 +80,8 @@ def _exit_at(deadline_s: float) -> None:
     threading.Thread(target=stop, daemon=True).start()
 
 
-def main() -> None:
+def rank_arguments() -> argparse.ArgumentParser:
+    """The arguments every rank script of these tests takes (tests/e2e/lightning_ranks.py too)."""
     p = argparse.ArgumentParser()
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
@@ -83,9 +94,14 @@ def main() -> None:
     p.add_argument("--spool-dir", required=True)
     p.add_argument("--nan-rank", type=int, default=-1)
     p.add_argument("--nan-step", type=int, default=-1)
+    return p
+
+
+def main() -> None:
+    p = rank_arguments()
     p.add_argument("--eval-sleep-s", type=float, default=0.0)
     a = p.parse_args()
-    _exit_at(a.deadline_s)
+    exit_at(a.deadline_s)
     # The launcher's environment, as torchrun sets it: accelerate (inside the Trainer) starts gloo from it.
     os.environ.update(
         RANK=str(a.rank),
@@ -105,14 +121,7 @@ def main() -> None:
     model = tiny_llama(vocab=64, hidden=32, layers=2, seq=SEQ)
     nan_now = {"on": False}
     if a.rank == a.nan_rank:
-
-        def poison(
-            module: torch.nn.Module, args: tuple[torch.Tensor, ...]
-        ) -> tuple[torch.Tensor, ...] | None:
-            # the layer's own computation overflows: its output is the first non-finite one
-            return (args[0] * float("nan"),) if nan_now["on"] and torch.is_grad_enabled() else None
-
-        model.get_submodule(NAN_MODULE).register_forward_pre_hook(poison)
+        poison(model.get_submodule(NAN_MODULE), nan_now)
 
     class Faults(TrainerCallback):  # type: ignore[misc]
         def on_step_begin(self, args, state, control, **kw):  # type: ignore[no-untyped-def]

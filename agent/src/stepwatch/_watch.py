@@ -168,6 +168,14 @@ class Watch:
                 except Exception as exc:
                     self._guard.fail("phase", exc)
 
+    def _step_function(self, owner: Any, name: str) -> None:
+        """For an integration: time `owner.<name>` (a LightningModule's `training_step`) as the forward."""
+        if self._usable():
+            try:
+                self._hooks.step_function(owner, name)  # type: ignore[union-attr]
+            except Exception as exc:
+                self._guard.fail("steps", exc)
+
     def stats(self) -> dict[str, int]:
         """The agent's counters (also shipped in every batch as `agent.counters`)."""
         return self._counters.snapshot()

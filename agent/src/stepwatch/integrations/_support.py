@@ -3,11 +3,15 @@ own setting gives."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .._config import run_chars
+from .._config import build_config, run_chars
+
+if TYPE_CHECKING:
+    from .._watch import Watch
 
 
 def require(module: str, package: str, minimum: tuple[int, ...], tested: str) -> ModuleType:
@@ -48,3 +52,42 @@ def torch_optimizer(optimizer: Any) -> Any:
             break
         optimizer = inner
     return optimizer
+
+
+class Pauses:
+    """The known pause a framework's events open and close (`watch.phase`): at most one at a time, a new
+    one closing the one before. `watch.phase` never raises, so neither does this."""
+
+    def __init__(self) -> None:
+        self._open: contextlib.AbstractContextManager[None] | None = None
+
+    def begin(self, watch: Watch | None, name: str) -> None:
+        self.end()
+        if watch is not None:
+            pause = watch.phase(name)
+            pause.__enter__()
+            self._open = pause
+
+    def end(self) -> None:
+        pause, self._open = self._open, None
+        if pause is not None:
+            pause.__exit__(None, None, None)
+
+
+class Attacher:
+    """`attach()`'s arguments, given to an integration: checked where it is made (a bad option raises
+    ValueError at the user's own line, naming it), used when the framework has its model and optimizer."""
+
+    def __init__(self, run: str | None, url: str | None, token: str | None, options: dict[str, Any]) -> None:
+        build_config(run or "check", url, token, options)
+        self.run, self.url, self.token, self.options = run, url, token, dict(options)
+
+    def attach(self, model: Any, optimizer: Any, run: str | None, start_step: int) -> Watch:
+        """The agent on `model` and the torch optimizer in `optimizer`; `run` when `run=` was not given;
+        `start_step`, the framework's count of steps taken (a resumed run), unless the options say."""
+        from .._watch import attach
+
+        options = dict(self.options)
+        options.setdefault("start_step", start_step)
+        run = self.run if self.run is not None else run
+        return attach(model, torch_optimizer(optimizer), run=run, url=self.url, token=self.token, **options)

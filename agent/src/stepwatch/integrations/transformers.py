@@ -10,14 +10,12 @@ accumulation) is the agent's, as with `stepwatch.attach()`.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-from .._config import build_config
 from .._step import find_loss
-from .._watch import Watch, attach
-from ._support import framework_run, require, torch_optimizer
+from .._watch import Watch
+from ._support import Attacher, Pauses, framework_run, require
 
 if TYPE_CHECKING:
     import torch
@@ -38,10 +36,9 @@ class StepwatchCallback(_transformers.TrainerCallback):  # type: ignore[name-def
     def __init__(
         self, run: str | None = None, url: str | None = None, token: str | None = None, **options: Any
     ):
-        build_config(run or "check", url, token, options)  # a bad option fails here, at the user's own line
-        self._run, self._url, self._token, self._options = run, url, token, dict(options)
+        self._attacher = Attacher(run, url, token, options)
         self.watch: Watch | None = None
-        self._pause: contextlib.AbstractContextManager[None] | None = None
+        self._pauses = Pauses()
         self._hook: Any = None
         self._loss_sum: torch.Tensor | None = None
         self._loss_n = 0
@@ -54,20 +51,16 @@ class StepwatchCallback(_transformers.TrainerCallback):  # type: ignore[name-def
     ) -> None:
         if self.watch is not None or model is None or optimizer is None:
             return
-        run = self._run if self._run is not None else framework_run(getattr(args, "run_name", None))
-        options = dict(self._options)
-        options.setdefault("start_step", int(state.global_step))  # a resumed Trainer goes on from its step
-        # A bad run name or option raises here, before the first step, as attach() does in a plain loop.
-        self.watch = attach(
-            model, torch_optimizer(optimizer), run=run, url=self._url, token=self._token, **options
-        )
+        # A bad run name raises here, before the first step, as attach() does in a plain loop.
+        run = framework_run(getattr(args, "run_name", None))
+        self.watch = self._attacher.attach(model, optimizer, run, int(state.global_step))
         if self.watch.session:  # not a NullWatch (STEPWATCH_DISABLED=1)
             self._hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
         if getattr(args, "eval_on_start", False):
-            self._begin("evaluate")
+            self._pauses.begin(self.watch, "evaluate")
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self._end()
+        self._pauses.end()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self.watch is None or self._failed:
@@ -80,22 +73,24 @@ class StepwatchCallback(_transformers.TrainerCallback):  # type: ignore[name-def
             self._fail(exc)
         # Evaluation and checkpointing run after this event, before the next step begins.
         if control.should_evaluate:
-            self._begin("evaluate")
+            self._pauses.begin(self.watch, "evaluate")
         elif control.should_save:
-            self._begin("checkpoint")
+            self._pauses.begin(self.watch, "checkpoint")
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self._end()
+        self._pauses.end()
         if self.watch is not None and (
             control.should_save or getattr(args.save_strategy, "value", args.save_strategy) == "best"
         ):
-            self._begin("checkpoint")  # saved right after the evaluation (with save_strategy="best": maybe)
+            self._pauses.begin(
+                self.watch, "checkpoint"
+            )  # saved right after the evaluation (with save_strategy="best": maybe)
 
     def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self._end()
+        self._pauses.end()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self._end()
+        self._pauses.end()
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -135,28 +130,12 @@ class StepwatchCallback(_transformers.TrainerCallback):  # type: ignore[name-def
             return self._loss_sum * int(args.world_size)
         return self._loss_sum
 
-    # -- pauses and failures ----------------------------------------------------------------------------
-    def _begin(self, name: str) -> None:
-        self._end()
-        if self.watch is None or self._failed:
-            return
-        try:
-            pause = self.watch.phase(name)
-            pause.__enter__()
-            self._pause = pause
-        except Exception as exc:
-            self._fail(exc)
-
-    def _end(self) -> None:
-        pause, self._pause = self._pause, None
-        if pause is not None:
-            try:
-                pause.__exit__(None, None, None)
-            except Exception as exc:
-                self._fail(exc)
-
+    # -- failures ----------------------------------------------------------------------------------------
     def _fail(self, exc: BaseException) -> None:
-        """Never raise into the Trainer: the callback's own part stops, said once; the agent goes on."""
+        """Never raise into the Trainer: the callback's loss stops, said once; the agent goes on."""
         if not self._failed:
             self._failed = True
-            logger.warning("stepwatch: the Trainer callback stopped its loss and pause marking: %r", exc)
+            logger.warning(
+                "stepwatch: the Trainer callback stopped replacing the loss (the agent's own goes on): %r",
+                exc,
+            )
