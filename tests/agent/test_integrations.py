@@ -24,7 +24,8 @@ import torch  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from stepwatch import NullWatch  # noqa: E402
-from stepwatch.integrations._support import framework_run, torch_optimizer  # noqa: E402
+from stepwatch._watch import inner_optimizer  # noqa: E402
+from stepwatch.integrations._support import framework_run  # noqa: E402
 from stepwatch.integrations.transformers import StepwatchCallback  # noqa: E402
 from tests.e2e.trainer_ranks import Tokens, tiny_llama  # noqa: E402
 
@@ -127,8 +128,8 @@ def test_the_optimizer_inside_accelerates_wrapper_is_the_one_watched() -> None:
     from accelerate.optimizer import AcceleratedOptimizer
 
     inner = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
-    assert torch_optimizer(AcceleratedOptimizer(inner, device_placement=False)) is inner
-    assert torch_optimizer(inner) is inner
+    assert inner_optimizer(AcceleratedOptimizer(inner, device_placement=False)) is inner
+    assert inner_optimizer(inner) is inner
 
 
 # lightning 2.6.6 with torch 2.13 (lightning's own call into torch.utils._pytree)

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import require_module
+from tests.e2e.accelerate_ranks import EVAL_STEPS as ACCELERATE_EVAL_STEPS
 from tests.e2e.conftest import Collector
 from tests.e2e.lightning_ranks import NAN_MODULE as LIGHTNING_NAN_MODULE
 from tests.e2e.lightning_ranks import VAL_EVERY as LIGHTNING_VAL_EVERY
@@ -88,6 +89,22 @@ def assert_pauses_and_nothing_else(
     assert found == [], "\n".join(f"{a['kind']} rank {a['rank']}: {a['summary']}" for a in found)
 
 
+def assert_each_step_holds_its_own_values(collector: Collector, run: str, tmp_path: Path, steps: int) -> None:
+    """Every optimizer step once per rank with its timings, and the loss and grad norm the rank script read
+    itself (DIR/rank-R.json) at that step."""
+    every = list(range(1, steps + 1))
+    for metric in ("loss", "grad_norm", "lr", "time.forward_ms", "time.backward_ms", "time.optimizer_ms"):
+        values = series(collector, run, metric)
+        assert {rank: sorted(v) for rank, v in values.items()} == {0: every, 1: every}, metric
+    loss, norms = series(collector, run, "loss"), series(collector, run, "grad_norm")
+    for rank in (0, 1):
+        seen = {int(k): v for k, v in json.loads((tmp_path / f"rank-{rank}.json").read_text()).items()}
+        assert sorted(seen) == every
+        assert [loss[rank][s] for s in every] == pytest.approx([seen[s]["loss"] for s in every], rel=1e-5)
+        norm = [seen[s]["grad_norm"] for s in every]
+        assert [norms[rank][s] for s in every] == pytest.approx(norm, rel=1e-5)
+
+
 def series(collector: Collector, run: str, metric: str) -> dict[int, dict[int, float]]:
     """rank -> step -> value."""
     body = collector.get(f"/api/v1/runs/{run}/series?metric={metric}&rank=all&max_points=20000")
@@ -134,21 +151,7 @@ def test_a_lightning_fit_is_recorded_step_by_step_with_each_steps_own_loss_and_g
 ) -> None:
     steps = 30
     run = fit(collector, tmp_path, steps, val_sleep_s=EVAL_SLEEP_S)
-    every = list(range(1, steps + 1))
-    for metric in ("loss", "grad_norm", "lr", "time.forward_ms", "time.backward_ms", "time.optimizer_ms"):
-        values = series(collector, run, metric)
-        assert {rank: sorted(v) for rank, v in values.items()} == {0: every, 1: every}, metric
-    loss, norms = series(collector, run, "loss"), series(collector, run, "grad_norm")
-    for rank in (0, 1):
-        seen = {int(k): v for k, v in json.loads((tmp_path / f"rank-{rank}.json").read_text()).items()}
-        assert sorted(seen) == every
-        # Lightning runs forward and backward inside optimizer.step(closure): each record must hold its own
-        # step's values (before the agent followed closures, each held the step before's)
-        assert [loss[rank][s] for s in every] == pytest.approx([seen[s]["loss"] for s in every], rel=1e-5)
-        assert [norms[rank][s] for s in every] == pytest.approx(
-            [seen[s]["grad_norm"] for s in every], rel=1e-5
-        )
-
+    assert_each_step_holds_its_own_values(collector, run, tmp_path, steps)
     assert_pauses_and_nothing_else(collector, run, "validate", LIGHTNING_VAL_EVERY, steps)
 
 
@@ -157,3 +160,22 @@ def test_a_nan_in_one_layer_of_one_rank_under_lightning_is_nonfinite_naming_rank
 ) -> None:
     run = fit(collector, tmp_path, steps=16, nan_rank=1, nan_step=12)
     assert_the_nan_names(collector, run, rank=1, step=12, module=LIGHTNING_NAN_MODULE)
+
+
+def test_an_accelerate_loop_with_attach_after_prepare_is_recorded_once_per_optimizer_step(
+    collector: Collector, tmp_path: Path
+) -> None:
+    """The prepared optimizer steps on every micro-batch and accelerate skips the real step between them: the
+    agent watches the torch optimizer inside the wrapper (before, `attach()` raised on the wrapper)."""
+    steps = 30
+    run = launch(collector, tmp_path, "tests.e2e.accelerate_ranks", steps, eval_sleep_s=EVAL_SLEEP_S)
+    assert_each_step_holds_its_own_values(collector, run, tmp_path, steps)
+    assert_pauses_and_nothing_else(collector, run, "evaluate", ACCELERATE_EVAL_STEPS, steps)
+
+
+def test_a_nan_in_one_layer_of_one_rank_under_accelerate_is_nonfinite_naming_rank_step_and_layer(
+    collector: Collector, tmp_path: Path
+) -> None:
+    run = launch(collector, tmp_path, "tests.e2e.accelerate_ranks", 16, nan_rank=1, nan_step=12)
+    # attached to the prepared (DDP) model: its modules' names, as named_modules() gives them
+    assert_the_nan_names(collector, run, rank=1, step=12, module=f"module.{NAN_MODULE}")

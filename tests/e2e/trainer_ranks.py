@@ -97,12 +97,8 @@ def rank_arguments() -> argparse.ArgumentParser:
     return p
 
 
-def main() -> None:
-    p = rank_arguments()
-    p.add_argument("--eval-sleep-s", type=float, default=0.0)
-    a = p.parse_args()
-    exit_at(a.deadline_s)
-    # The launcher's environment, as torchrun sets it: accelerate (inside the Trainer) starts gloo from it.
+def torchrun_environment(a: argparse.Namespace) -> None:
+    """The launcher's environment, as torchrun sets it."""
     os.environ.update(
         RANK=str(a.rank),
         LOCAL_RANK=str(a.rank),
@@ -112,6 +108,14 @@ def main() -> None:
         MASTER_PORT=str(a.master_port),
         OMP_NUM_THREADS="1",
     )
+
+
+def main() -> None:
+    p = rank_arguments()
+    p.add_argument("--eval-sleep-s", type=float, default=0.0)
+    a = p.parse_args()
+    exit_at(a.deadline_s)
+    torchrun_environment(a)  # accelerate (inside the Trainer) starts gloo from it
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from stepwatch.integrations.transformers import StepwatchCallback

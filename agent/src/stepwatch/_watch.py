@@ -264,6 +264,9 @@ def attach(
 ) -> Watch:
     """Watch `model` and `optimizer`; one record per `optimizer.step()` goes to the collector at `url`.
 
+    `optimizer` may be a framework's wrapper around the torch optimizer (accelerate's, Lightning's): the
+    torch optimizer inside it is watched.
+
     Arguments win over the environment (STEPWATCH_RUN, STEPWATCH_URL, STEPWATCH_TOKEN, STEPWATCH_NODE),
     which wins over the defaults. STEPWATCH_DISABLED=1 or enabled=False returns a `NullWatch`.
     Bad options raise ValueError naming the option; nothing raises after this call.
@@ -278,6 +281,7 @@ def attach(
 
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"stepwatch: attach(model=...) needs a torch.nn.Module, got {type(model).__name__}")
+    optimizer = inner_optimizer(optimizer)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(
             f"stepwatch: attach(optimizer=...) needs a torch.optim.Optimizer, got {type(optimizer).__name__}"
@@ -291,6 +295,21 @@ def attach(
             f"model.named_modules(), e.g. {known}"
         )
     return Watch(model, optimizer, config, detect(config))
+
+
+def inner_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside a framework's wrapper (accelerate's `AcceleratedOptimizer`, Lightning's
+    `LightningOptimizer`, which hold it as `.optimizer`): the one whose `step()` runs the optimizer's hooks.
+    A wrapper's own `step()` runs none (it never called `Optimizer.__init__`), or only at real updates
+    (accelerate skips the inner step between accumulated micro-batches)."""
+    import torch
+
+    for _ in range(8):  # wrappers of wrappers, bounded
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            break
+        optimizer = inner
+    return optimizer
 
 
 def _layout_of(model: torch.nn.Module, identity: Identity) -> Layout | None:

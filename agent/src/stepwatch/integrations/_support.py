@@ -41,19 +41,6 @@ def framework_run(name: object) -> str | None:
     return run_chars(name)[:200] or None
 
 
-def torch_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer inside a framework's wrapper (accelerate's `AcceleratedOptimizer`, Lightning's
-    `LightningOptimizer`, which hold it as `.optimizer`): the one whose `step()` runs the optimizer's hooks."""
-    import torch
-
-    for _ in range(8):  # wrappers of wrappers, bounded
-        inner = getattr(optimizer, "optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer):
-            break
-        optimizer = inner
-    return optimizer
-
-
 class Pauses:
     """The known pause a framework's events open and close (`watch.phase`): at most one at a time, a new
     one closing the one before. `watch.phase` never raises, so neither does this."""
@@ -90,4 +77,4 @@ class Attacher:
         options = dict(self.options)
         options.setdefault("start_step", start_step)
         run = self.run if self.run is not None else run
-        return attach(model, torch_optimizer(optimizer), run=run, url=self.url, token=self.token, **options)
+        return attach(model, optimizer, run=run, url=self.url, token=self.token, **options)
