@@ -132,6 +132,29 @@ def test_the_optimizer_inside_accelerates_wrapper_is_the_one_watched() -> None:
     assert inner_optimizer(inner) is inner
 
 
+def _fit_6_steps(module: Any, callback: Any, tmp_path: Path) -> None:
+    """A Lightning fit of 6 steps (batches of 4 of a regression) on one CPU device with `callback`."""
+    import lightning.pytorch as pl
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 8)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[callback],
+    )
+    trainer.fit(module, loader)
+
+
 # lightning 2.6.6 with torch 2.13 (lightning's own call into torch.utils._pytree)
 @pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning")
 def test_lightning_on_one_device_times_training_step_as_the_forward_and_reads_its_loss(
@@ -159,27 +182,57 @@ def test_lightning_on_one_device_times_training_step_as_the_forward_and_reads_it
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
-    torch.manual_seed(0)
-    x = torch.randn(64, 8)
-    loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4
-    )
     callback = LightningCallback(run="lightning-one", url=receiver.url, **fast)
     module = Regression()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=6,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-        callbacks=[callback],
-    )
-    trainer.fit(module, loader)
+    _fit_6_steps(module, callback, tmp_path)
     assert callback.watch is None and "training_step" not in module.__dict__  # closed, given back
     records = receiver.records()
     assert sorted(records) == [1, 2, 3, 4, 5, 6]
+    assert [records[s]["loss"] for s in range(1, 7)] == pytest.approx(losses, rel=1e-6)
+    assert all(records[s]["time.forward_ms"] > 0 for s in records)
+
+
+@pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning")
+def test_lightning_manual_optimisation_reports_each_steps_own_grad_norm_and_the_logged_loss(
+    receiver: Receiver, fast: dict[str, Any], tmp_path: Path
+) -> None:
+    """With `automatic_optimization = False` the optimizer steps inside `training_step`; the module's own
+    forward is the forward, and the loss comes from `watch.log` after the step."""
+    require_module("lightning")
+    import lightning.pytorch as pl
+
+    from stepwatch.integrations.lightning import StepwatchCallback as LightningCallback
+
+    callback = LightningCallback(run="lightning-manual", url=receiver.url, **fast)
+    losses: list[float] = []
+    norms: list[float] = []
+
+    class Manual(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+            opt = self.optimizers()
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(self(batch[0]), batch[1])
+            self.manual_backward(loss)
+            norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in self.parameters()])))
+            opt.step()
+            losses.append(loss.item())
+            assert callback.watch is not None
+            callback.watch.log(loss=loss)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    _fit_6_steps(Manual(), callback, tmp_path)
+    records = receiver.records()
+    assert sorted(records) == [1, 2, 3, 4, 5, 6]
+    assert [records[s]["grad_norm"] for s in range(1, 7)] == pytest.approx(norms, rel=1e-5)
     assert [records[s]["loss"] for s in range(1, 7)] == pytest.approx(losses, rel=1e-6)
     assert all(records[s]["time.forward_ms"] > 0 for s in records)

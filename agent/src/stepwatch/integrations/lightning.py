@@ -44,7 +44,10 @@ class StepwatchCallback(_pl.Callback):  # type: ignore[name-defined]
             return
         optimizer = trainer.optimizers[0]
         self.watch = self._attacher.attach(pl_module, optimizer, None, int(trainer.global_step))
-        self.watch._step_function(pl_module, "training_step")
+        if pl_module.automatic_optimization:
+            # Manual optimisation steps the optimizer inside training_step: there the module's own forward
+            # (`self(x)`) is the forward, and `watch.log(loss=...)` after `opt.step()` gives the loss.
+            self.watch._step_function(pl_module, "training_step")
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._pauses.end()
