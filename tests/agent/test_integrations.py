@@ -16,13 +16,14 @@ import pytest
 
 from tests.conftest import require_module
 
-from .conftest import REPO_AGENT_SRC, Receiver
+from .conftest import REPO_AGENT_SRC, Receiver, make_model
 
 require_module("transformers")
 
 import torch  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
+import stepwatch  # noqa: E402
 from stepwatch import NullWatch  # noqa: E402
 from stepwatch._watch import inner_optimizer  # noqa: E402
 from stepwatch.integrations._support import framework_run  # noqa: E402
@@ -35,6 +36,7 @@ from tests.e2e.trainer_ranks import Tokens, tiny_llama  # noqa: E402
     [
         ("transformers", ["transformers"], "needs transformers 4.46 or newer (tested with 5.25.0)"),
         ("lightning", ["lightning", "pytorch_lightning"], "needs lightning 2.0 or newer (tested with 2.6.6)"),
+        ("accelerate", ["accelerate"], "needs accelerate 1.0 or newer (tested with 1.16.0)"),
     ],
 )
 def test_an_integration_without_its_framework_says_which_to_install(
@@ -236,3 +238,32 @@ def test_lightning_manual_optimisation_reports_each_steps_own_grad_norm_and_the_
     assert [records[s]["grad_norm"] for s in range(1, 7)] == pytest.approx(norms, rel=1e-5)
     assert [records[s]["loss"] for s in range(1, 7)] == pytest.approx(losses, rel=1e-6)
     assert all(records[s]["time.forward_ms"] > 0 for s in records)
+
+
+def test_the_accelerate_tracker_forwards_numbers_to_the_processs_watch_and_leaves_strings_out(
+    receiver: Receiver, fast: dict[str, Any], stepwatch_log: Any
+) -> None:
+    from accelerate import Accelerator
+
+    from stepwatch.integrations.accelerate import StepwatchTracker
+
+    tracker = StepwatchTracker()
+    accelerator = Accelerator(cpu=True, log_with=[tracker])
+    model, opt = make_model()
+    model, opt = accelerator.prepare(model, opt)
+    watch = stepwatch.attach(model, opt, run="tracker", url=receiver.url, **fast)
+    accelerator.init_trackers("p")
+    assert tracker.tracker is watch
+    gen = torch.Generator().manual_seed(1)
+    for step in range(1, 4):
+        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen)
+        accelerator.backward(model(x, y)["loss"])
+        opt.step()
+        opt.zero_grad()
+        accelerator.log({"accuracy": 0.5 * step, "tokens": torch.tensor(100 * step), "tag": "x"}, step=step)
+    watch.close(timeout_s=5)
+    records = receiver.records()
+    assert [records[s]["accuracy"] for s in (1, 2, 3)] == [0.5, 1.0, 1.5]
+    assert [records[s]["tokens"] for s in (1, 2, 3)] == [100, 200, 300]
+    assert all("tag" not in r for r in records.values())
+    assert any("accelerator.log(tag=...) left out" in r.getMessage() for r in stepwatch_log.records)

@@ -6,7 +6,8 @@
 `trainer_ranks` on the CPU: DDP over gloo (accelerate, from the launcher's environment), gradient
 accumulation 2 through `accelerator.accumulate(model)` (the prepared optimizer steps on every micro-batch;
 accelerate skips the real step between them), an evaluation inside `watch.phase("evaluate")` every
-`EVAL_STEPS` optimizer steps. Each rank writes DIR/rank-R.json: per optimizer step (from 1) the mean of its
+`EVAL_STEPS` optimizer steps, its loss given to `accelerator.log` (the main process's `StepwatchTracker`
+forwards it to its agent). Each rank writes DIR/rank-R.json: per optimizer step (from 1) the mean of its
 micro-batches' losses and the gradient norm before the step, read by the test here (the agent never syncs).
 """
 
@@ -41,9 +42,12 @@ def main() -> None:
     from accelerate import Accelerator
 
     import stepwatch
+    from stepwatch.integrations.accelerate import StepwatchTracker
 
     torch.set_num_threads(1)
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=GRAD_ACCUMULATION)
+    accelerator = Accelerator(
+        cpu=True, gradient_accumulation_steps=GRAD_ACCUMULATION, log_with=[StepwatchTracker()]
+    )
     model = tiny_llama(vocab=64, hidden=32, layers=2, seq=SEQ)
     nan_now = {"on": False}
     if a.rank == a.nan_rank:
@@ -55,6 +59,9 @@ def main() -> None:
     watch = stepwatch.attach(
         model, optimizer, run=a.run, url=a.url, spool_dir=a.spool_dir, flush_interval_s=0.5
     )
+    accelerator.init_trackers(
+        "stepwatch-test"
+    )  # the main process's tracker: accelerator.log goes to its watch
 
     seen: dict[int, dict[str, float]] = {}
     micro: list[float] = []
@@ -77,9 +84,11 @@ def main() -> None:
         step += 1
         if step % EVAL_STEPS == 0:
             with watch.phase("evaluate"), torch.no_grad():
+                losses = []
                 for eval_batch in evaluation:
-                    model(**eval_batch)
+                    losses.append(model(**eval_batch).loss)
                     time.sleep(a.eval_sleep_s)
+            accelerator.log({"eval_loss": torch.stack(losses).mean(), "note": "evaluated"})
         if step == a.steps:
             break
     watch.close()

@@ -171,6 +171,12 @@ def test_an_accelerate_loop_with_attach_after_prepare_is_recorded_once_per_optim
     run = launch(collector, tmp_path, "tests.e2e.accelerate_ranks", steps, eval_sleep_s=EVAL_SLEEP_S)
     assert_each_step_holds_its_own_values(collector, run, tmp_path, steps)
     assert_pauses_and_nothing_else(collector, run, "evaluate", ACCELERATE_EVAL_STEPS, steps)
+    # accelerator.log runs on the main process only: its tracker gave rank 0's agent the numbers
+    # accelerator.log runs on the main process only: its tracker gave rank 0's agent the numbers. A marked
+    # pause hands the step before it over, so a value logged after the evaluation joins the next step; the
+    # one after the last step has no step to join (not stored: a known limit, README "In a trainer").
+    logged = series(collector, run, "eval_loss")
+    assert {rank: sorted(v) for rank, v in logged.items()} == {0: [11, 21]}, logged
 
 
 def test_a_nan_in_one_layer_of_one_rank_under_accelerate_is_nonfinite_naming_rank_step_and_layer(
