@@ -79,12 +79,10 @@ class StepwatchCallback(_transformers.TrainerCallback):  # type: ignore[name-def
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self._pauses.end()
-        if self.watch is not None and (
-            control.should_save or getattr(args.save_strategy, "value", args.save_strategy) == "best"
-        ):
-            self._pauses.begin(
-                self.watch, "checkpoint"
-            )  # saved right after the evaluation (with save_strategy="best": maybe)
+        # A checkpoint is saved right after the evaluation (with save_strategy="best": maybe).
+        best = getattr(args.save_strategy, "value", args.save_strategy) == "best"
+        if self.watch is not None and (control.should_save or best):
+            self._pauses.begin(self.watch, "checkpoint")
 
     def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self._pauses.end()
