@@ -215,9 +215,13 @@ class Hooks:
         tracked = tracked_modules(model, config.track)
         self._order = wire_names(list(tracked))  # tracked modules' names as sent; a tap's slot indexes them
         self._taps = [self._tap(slot, module) for slot, module in enumerate(tracked.values())]
-        self._handles += [
+        # The root's forward hooks, by name: an integration's step function takes their place (step_function).
+        self._root_handles = [
             model.register_forward_pre_hook(_EagerHook(self._on_forward_pre)),
             model.register_forward_hook(_EagerHook(self._on_forward)),
+        ]
+        self._handles += [
+            *self._root_handles,
             optimizer.register_step_pre_hook(_EagerHook(self._on_step_pre)),
             optimizer.register_step_post_hook(_EagerHook(self._on_step_post)),
         ]
@@ -634,9 +638,10 @@ class Hooks:
         """Take `owner.<name>` (a LightningModule's `training_step`, which may call the model's forward or
         not) as the step's forward: its start and end time the forward, its result gives the loss, and the
         root forward hooks give way to it."""
-        for handle in self._handles[:2]:  # the root's forward pre-hook and hook (__init__'s order)
+        for handle in self._root_handles:
             handle.remove()
-        del self._handles[:2]
+            self._handles.remove(handle)
+        self._root_handles = []
         wrapper = StepFunction(self, owner, getattr(owner, name))
         own = name in owner.__dict__  # an instance attribute already: given back at remove()
         setattr(owner, name, wrapper)

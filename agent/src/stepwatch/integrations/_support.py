@@ -16,20 +16,18 @@ if TYPE_CHECKING:
 
 def require(module: str, package: str, minimum: tuple[int, ...], tested: str) -> ModuleType:
     """Import `module`, or raise ImportError saying what to install; older than `minimum`: ImportError too."""
+    least = ".".join(map(str, minimum))
+    needs = f"stepwatch: this integration needs {package} {least} or newer (tested with {tested})"
     try:
         framework = importlib.import_module(module)
     except ImportError as exc:
         raise ImportError(
-            f"stepwatch: this integration needs {package} {'.'.join(map(str, minimum))} or newer (tested with "
-            f"{tested}), which could not be imported ({exc}); pip install '{package}>={'.'.join(map(str, minimum))}'"
+            f"{needs}, which could not be imported ({exc}); pip install '{package}>={least}'"
         ) from exc
     version = str(getattr(framework, "__version__", "0"))
     parts = tuple(int(p) if p.isdigit() else 0 for p in version.split(".")[: len(minimum)])
     if parts < minimum:
-        raise ImportError(
-            f"stepwatch: this integration needs {package} {'.'.join(map(str, minimum))} or newer (tested with "
-            f"{tested}); {version} is installed: pip install -U '{package}>={'.'.join(map(str, minimum))}'"
-        )
+        raise ImportError(f"{needs}; {version} is installed: pip install -U '{package}>={least}'")
     return framework
 
 
