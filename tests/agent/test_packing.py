@@ -103,6 +103,7 @@ def test_amax_each_is_max_abs_per_tensor_with_nan_kept_on_both_paths() -> None:
         ([torch.tensor([-5.0, 1.0])], [5.0]),
         ([torch.tensor(-2.0), torch.tensor(math.nan), torch.tensor(1.5)], [2.0, math.nan, 1.5]),  # 0-dim
         ([torch.full((2, 3, 4), -6.0), torch.full((2, 3, 4), 0.5)], [6.0, 0.5]),  # 3-dim, one stack
+        ([torch.tensor([[1.0, -2.0]]), torch.tensor([[-3.0], [math.nan]])], [2.0, math.nan]),  # 1x2, 2x1
     ):
         before = [t.clone() for t in tensors]
         got = _device.amax_each(tensors)
@@ -122,17 +123,21 @@ def test_amax_each_is_max_abs_per_tensor_with_nan_kept_on_both_paths() -> None:
 def test_square_sums_match_the_per_tensor_norm_and_leave_the_gradients_alone() -> None:
     torch.manual_seed(0)
     grads = [torch.randn(16, 16), torch.randn(16), torch.randn(3, dtype=torch.float64)]
-    layers = [t for _ in range(4) for t in (torch.randn(8, 4), torch.randn(8))]  # two shapes: stacked
+    layers = [t for _ in range(4) for t in (torch.randn(8, 4), torch.randn(8))]  # few: one flat copy
+    many = [t for _ in range(20) for t in (torch.randn(8, 4), torch.randn(8))]  # two shapes: stacked
     square_sums = _device.SquareSums()
     cases = (
         grads[:2],  # two shapes in two tensors: one flat copy
         layers,
         layers[::2],  # one shape
+        many,
+        many[::2],
         [t.to(torch.bfloat16) for t in layers],  # squared in float32
         grads,  # float64 among them: promoted, squared in float64
         grads[:1],
         [torch.randn(_device.FLAT_MAX_ELEMENTS), grads[1]],  # too big to copy
         [torch.randn(64, 128), *layers, torch.randn(5000)],  # big ones by foreach, put back in order
+        [torch.randn(64, 128), *many, torch.randn(5000)],
     )
     for tensors in cases:
         before = [t.clone() for t in tensors]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from operator import attrgetter
 from typing import Any
 
 import torch
@@ -25,11 +24,15 @@ FLAT_MAX_ELEMENTS = 1 << 20
 # than the dispatch it saves (two passes more than a reduction, about 0.5 ns an element here, against
 # ~3-10 us a dispatch; measured on 96 x 256 outputs: stacked 11.4 us each, alone 7-14 us).
 SMALL_ELEMENTS = 4096
+# Up to this many small CPU tensors in all (a model of a dozen layers' weights and biases), one flat copy
+# and one reduction: `_flatten_dense_tensors` costs ~3 us + ~0.6 us a tensor here, a stack per shape
+# and a reduction per stack ~24 us + ~0.14 us a tensor (bench/README.md, host cost); they cross near 44.
+FLAT_TENSORS = 32
 _flatten = torch._utils._flatten_dense_tensors
 _segment_reduce = torch.segment_reduce
 _foreach_norm = torch._foreach_norm
 _vector_norm = torch.linalg.vector_norm
-_numel, _shape = torch.Tensor.numel, attrgetter("shape")
+_numel = torch.Tensor.numel
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -84,23 +87,32 @@ def amax_each(tensors: list[torch.Tensor], total: int | None = None, amax: bool 
         n = len(tensors)
         if n == 1:  # a flush of one big output: one kernel, as a per-module check would be
             return check_one(tensors[0], amax)
+        if total is None:
+            total = sum(map(_numel, tensors))
         if _small_on_cpu(tensors, total):
             try:
-                shapes = set(map(_shape, tensors))
-                if len(shapes) == 1:  # consecutive layers' outputs, often: one stack, reduced over
-                    dims = tuple(range(1, len(next(iter(shapes))) + 1))  # all but the first dim
-                    if not dims:  # 0-dim outputs: the stack is the values
-                        return _f32(torch.stack(tensors).abs_() if amax else torch.stack(tensors))
-                    if amax:
-                        return _f32(torch.stack(tensors).abs_().amax(dims))  # a fresh copy: in place
-                    stacked = torch.stack(tensors)
-                    return _f32(stacked.sum(dims, dtype=_wide_of(stacked)))
+                first = tensors[0]
+                if total == n * first.numel():  # equal sizes (consecutive layers' outputs, often)
+                    try:
+                        return _stacked_each(torch.stack(tensors), first.dim(), amax)
+                    except RuntimeError:  # equal sizes, different shapes: the flat copy below
+                        pass
                 flat = _flatten(tensors).abs_()  # a fresh buffer (more than one tensor): in place is safe
                 lengths = torch.tensor(list(map(_numel, tensors)))
                 return _f32(_segment_reduce(flat, "max", lengths=lengths))
             except RuntimeError:  # not all on the CPU
                 pass
         return _foreach_norms(tensors, math.inf)
+
+
+def _stacked_each(stacked: torch.Tensor, dim: int, amax: bool) -> torch.Tensor:
+    """Per-row max |x| (or sum, `amax=False`) of a stack of `dim`-dimensional tensors, a fresh copy."""
+    if not dim:  # 0-dim tensors: the stack is the values
+        return _f32(stacked.abs_() if amax else stacked)
+    dims = tuple(range(1, dim + 1))  # all but the first dim
+    if amax:
+        return _f32(stacked.abs_().amax(dims))
+    return _f32(stacked.sum(dims, dtype=_wide_of(stacked)))
 
 
 def _wide_of(t: torch.Tensor) -> torch.dtype:
@@ -114,9 +126,10 @@ class SquareSums:
     ops. `key` names the list's tensors (the ids of their parameters); the plan for it is made again
     only when the key changes.
 
-    On a CPU, small tensors (SMALL_ELEMENTS or fewer) of one shape are stacked (one copy, ~0.3 us a
-    tensor here, a third of `_flatten_dense_tensors`), squared and summed per row; with more shapes
-    than a quarter of them, one flat copy and one `segment_reduce`; bigger tensors, and every tensor
+    On a CPU, up to FLAT_TENSORS tensors that are all small (SMALL_ELEMENTS or fewer) are copied into one
+    flat buffer (reduced by one `segment_reduce`, or one norm); more of them, small tensors of one shape
+    are stacked (one copy, ~0.3 us a tensor here, a third of `_flatten_dense_tensors`), squared and
+    summed per row; with more shapes than a quarter of them, one flat copy and one `segment_reduce`; bigger tensors, and every tensor
     elsewhere, by the foreach norm (one fused kernel on CUDA). The parts are put back in list order."""
 
     def __init__(self) -> None:
@@ -135,7 +148,8 @@ class SquareSums:
         by_shape: dict[torch.Size, list[int]] = {}
         for i in small:
             by_shape.setdefault(tensors[i].shape, []).append(i)
-        if len(by_shape) > max(1, len(small) // 4):
+        few = len(small) == len(every) <= FLAT_TENSORS
+        if few or len(by_shape) > max(1, len(small) // 4):
             parts = [("flat", small)]
             self._lengths = torch.tensor([tensors[i].numel() for i in small])
         else:
@@ -163,6 +177,16 @@ class SquareSums:
         (weights and biases), one `hypot`: three dispatches fewer than a `dot` per part (each after a
         `view`), their sum and a `sqrt`, a fixed cost of every step."""
         with torch.no_grad():
+            if key != self._key:
+                self._plan(tensors, key)
+            if out is not None and len(self._parts) == 1 and self._parts[0][0] == "flat":
+                try:  # one flat copy, its norm written into `out`: two dispatches in all
+                    joined = _flatten(tensors)
+                    if joined.dtype != torch.float64:
+                        return _vector_norm(joined, dtype=_F32, out=out)
+                    return out.copy_(_vector_norm(joined))
+                except RuntimeError:  # not all on the CPU: the plan below falls back
+                    pass
             norms = self._each_part(tensors, key, self._part_norm)
             if len(norms) == 2 and norms[0].dtype == norms[1].dtype:
                 return torch.hypot(norms[0], norms[1], out=out) if out is not None else torch.hypot(*norms)
