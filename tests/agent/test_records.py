@@ -128,6 +128,34 @@ def test_log_values_and_overrides(receiver: Receiver, fast: dict[str, Any], step
     assert sum("bad_value" in r.getMessage() for r in stepwatch_log.records) == 1  # warned once
 
 
+def test_values_logged_after_a_pause_join_the_next_step_and_after_the_last_one_are_said_at_close(
+    receiver: Receiver, fast: dict[str, Any], stepwatch_log: Any
+) -> None:
+    """A marked pause hands the step before it to the sender, so a value logged in it or after it has no
+    step to join but the next. After the last step there is none: the values are not stored, and close()
+    says so, naming them, rather than dropping them silently. Logged after the last step with no pause
+    between (an unmarked no-grad evaluation), they belong to that step."""
+    model, opt = make_model()
+    watch = stepwatch.attach(model, opt, run="late-logs", url=receiver.url, **fast)
+    train(model, opt, 3)
+    with watch.phase("eval"):
+        watch.log(eval_loss=3.0)  # no step open: joins step 4
+    train(model, opt, 2)
+    with torch.no_grad():  # an unmarked evaluation: no pause, the last step stays open
+        model(torch.randn(2, 8))
+    watch.log(final=5.0)  # after the last step, no pause: step 5's
+    with watch.phase("eval"):
+        watch.log(eval_loss=99.0, eval_acc=0.5)  # after a pause after the last step: nowhere to go
+    watch.close(timeout_s=5)
+    records = receiver.records()
+    assert sorted(records) == [1, 2, 3, 4, 5]
+    assert [s for s in records if records[s].get("eval_loss") is not None] == [4]
+    assert records[4]["eval_loss"] == 3.0
+    assert records[5]["final"] == 5.0 and records[5].get("eval_acc") is None
+    said = [r.getMessage() for r in stepwatch_log.records if "not stored" in r.getMessage()]
+    assert len(said) == 1 and "eval_acc, eval_loss" in said[0] and "after step 5" in said[0], said
+
+
 @pytest.mark.parametrize("first", [50, 53], ids=["amax-sampled-step", "other-step"])
 def test_nan_from_step_n_names_the_module(receiver: Receiver, fast: dict[str, Any], first: int) -> None:
     """amax is sampled every 10th step (the default); steps in between check non-finite values through

@@ -633,6 +633,16 @@ class Hooks:
             self._end_skipped()
         self._finalize()
         self.transfer()
+        cur = self._cur
+        if not cur.n_fwd and cur.opt_start is None and (cur.logs or cur.host):
+            # Only watch.log() fills a step that never began: values logged after a marked pause had
+            # handed the last step over, with no step after them to join.
+            names = sorted({*cur.logs, *cur.host})
+            logger.warning(
+                "stepwatch: %d value(s) logged after step %d were not stored (%s): no step followed them; a "
+                "marked pause (watch.phase) hands the step before it over, so log them before the pause",
+                len(names), self._step, ", ".join(names[:8]) + (", ..." if len(names) > 8 else ""),
+            )  # fmt: skip
 
     def step_function(self, owner: Any, name: str) -> None:
         """Take `owner.<name>` (a LightningModule's `training_step`, which may call the model's forward or
