@@ -16,13 +16,14 @@ from typing import Any
 import numpy as np
 import orjson
 import pytest
-from sqlalchemy import Connection, Engine, event, insert, select
+from sqlalchemy import Connection, Engine, event, insert, select, text
 
 from stepwatch_server.dashboard.heatmap import heatmap, heatmap_from_rollups
 from stepwatch_server.ingest.store import POINT_COLUMNS, PointRow, insert_points
 from stepwatch_server.runs import queries, rank_rollups, rollups, step_rollups
 from stepwatch_server.runs.rollup_worker import RollupWorker
 from stepwatch_server.storage import make_engine, upgrade
+from stepwatch_server.storage.engine import write_transaction
 from stepwatch_server.storage.models import Point, RankRollup, Run, Series, StepRollup
 from tests.service.conftest import Collector, steps_batch
 
@@ -268,20 +269,27 @@ def test_a_long_run_heatmap_reads_one_row_per_cell_of_a_coarse_level(
         assert sorted(set(top)) == [0, 1, 2]  # steps 0..786,431 whole; bucket 3 (786,432..) ends past 999,000
 
 
-def test_steps_beyond_float_precision_are_read_exactly(engine: Engine, worker: RollupWorker) -> None:
-    """Steps near 2**60 (a token counter as the step): ten neighbouring steps stay ten steps in the raw
-    read, the per-step rollups and the rank rollups (float64 would merge them into one or two)."""
-    base = 2**60
+def _loss_run(engine: Engine, name: str, world_size: int) -> tuple[int, int]:
+    """A run with one series, `loss`: (run id, series id)."""
     now = dt.datetime.now(dt.UTC)
     with engine.begin() as conn:
         run_id = conn.execute(
             insert(Run)
-            .values(name="big-steps", world_size=2, created_at=now, last_seen_at=now)
+            .values(name=name, world_size=world_size, created_at=now, last_seen_at=now)
             .returning(Run.id)
         ).scalar_one()
         sid = conn.execute(
             insert(Series).values(run_id=run_id, stat="", name="loss").returning(Series.id)
         ).scalar_one()
+    return int(run_id), int(sid)
+
+
+def test_steps_beyond_float_precision_are_read_exactly(engine: Engine, worker: RollupWorker) -> None:
+    """Steps near 2**60 (a token counter as the step): ten neighbouring steps stay ten steps in the raw
+    read, the per-step rollups and the rank rollups (float64 would merge them into one or two)."""
+    base = 2**60
+    run_id, sid = _loss_run(engine, "big-steps", 2)
+    with engine.begin() as conn:
         insert_points(conn, [(sid, rank, base + i, 1, float(i + rank)) for rank in (0, 1) for i in range(10)])
     worker.submit(run_id, base, base + 9)
     assert worker.wait_idle(CATCH_UP_S)
@@ -293,6 +301,56 @@ def test_steps_beyond_float_precision_are_read_exactly(engine: Engine, worker: R
         assert per_step.total.tolist() == [2 * i + 1.0 for i in range(10)]
         assert rollups.rolled_to(conn, [sid]) == base + 9
         _assert_rollups_equal_raw(conn, {"loss": sid}, False)
+
+
+def test_a_round_reads_each_step_once_and_a_bucket_once_it_is_whole(engine: Engine) -> None:
+    """Rounds over a filling bucket: each round writes the step rollups of its new steps only (a step
+    rolled up before is not read again: its row, altered here, stays as it was) and no level-0 rank
+    rollup until the bucket is whole up to the watermark; a late value for a step rolled up before
+    has that step and its bucket rolled up again, and every read equals the raw aggregation."""
+    run_id, sid = _loss_run(engine, "filling", 3)
+
+    def write_and_roll(first: int, last: int, ranks: tuple[int, ...] = (0, 1)) -> None:
+        with engine.begin() as conn:
+            insert_points(conn, [(sid, r, s, 1, float(s + r)) for s in range(first, last + 1) for r in ranks])
+        with write_transaction(engine) as conn:
+            assert rollups.roll_up(conn, run_id, first, last) == last
+
+    def level0() -> dict[int, tuple[int, float]]:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                select(RankRollup.bucket, RankRollup.rank, RankRollup.n, RankRollup.total).where(
+                    RankRollup.series_id == sid, RankRollup.level == 0
+                )
+            )
+            out: dict[int, tuple[int, float]] = {}
+            for bucket, _, n, total in rows:
+                before = out.get(bucket, (0, 0.0))
+                out[bucket] = (before[0] + n, before[1] + total)
+            return out
+
+    def step_total(step: int) -> float:
+        with engine.connect() as conn:
+            return float(
+                conn.execute(
+                    select(StepRollup.total).where(StepRollup.series_id == sid, StepRollup.step == step)
+                ).scalar_one()
+            )
+
+    write_and_roll(0, 9)
+    assert level0() == {}  # bucket 0 (steps 0..63) is not whole: reads take it from the raw points
+    assert step_total(5) == 5.0 + 6.0
+    with engine.begin() as conn:  # altered: a round that read step 5 again would write it back
+        conn.execute(text("UPDATE step_rollups SET total = -1 WHERE series_id = :s AND step = 5"), {"s": sid})
+    write_and_roll(10, 70)
+    assert step_total(5) == -1.0 and step_total(70) == 70.0 + 71.0
+    assert level0() == {0: (128, float(sum(2 * s + 1 for s in range(64))))}  # whole now; bucket 1 is not
+    write_and_roll(5, 5, ranks=(2,))  # a late value (rank 2's only) for a step and a bucket rolled up
+    assert step_total(5) == 5.0 + 6.0 + 7.0
+    assert level0() == {0: (129, float(sum(2 * s + 1 for s in range(64)) + 7.0))}
+    with engine.connect() as conn:
+        for all_ranks in (False, True):
+            _assert_rollups_equal_raw(conn, {"loss": sid}, all_ranks)
 
 
 @pytest.mark.parametrize("hand_over_below", [0, 500], ids=["nothing-rolled-up", "rolled-up-to-499"])

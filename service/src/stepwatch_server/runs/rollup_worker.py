@@ -5,7 +5,8 @@ Ingest hands it `(run_id, first step, last step)` of every stored batch right af
 returns, so ingest never waits and never touches a shared rollup row. Every `ROUND_INTERVAL_S` the
 thread takes the dirty ranges that are due (no new batch for `QUIET_S`, or dirty for `MAX_LAG_S`:
 while every rank keeps sending the same steps, re-reading them each round would cost more than
-ingest itself) and recomputes each from the raw points
+ingest itself) and recomputes each from the raw points (each step once while its bucket fills:
+runs/rollups.py, "What a round reads")
 (`rollups.plan`, then per group of its series `rollups.apply_part`: a DELETE and an INSERT ... SELECT ...
 GROUP BY per table and level; then the run's watermark). A range of more than about `MAX_VALUES_PER_ROUND`
 values (series x ranks x steps) is done in slices of whole 64-step buckets (the rest stays dirty, due at

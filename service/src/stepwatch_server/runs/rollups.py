@@ -21,6 +21,14 @@ INSERT ... SELECT ... GROUP BY per table and level, in one short transaction):
   the watermark); the part of a range past a level's last whole bucket is summed from the level
   below, down to the raw points.
 
+What a round reads: the step rollups of the steps handed over (from the watermark + 1, or lower for a
+late batch) and no others, and level 0 of the buckets among them that are whole up to the new
+watermark (`Round.level0`): the bucket the watermark ends in is read by the round that passes its end,
+so while a bucket fills each round reads only its new steps, not the whole bucket again (with ranks
+sending a step a second, a round every few seconds read the current bucket's ~32 steps for its ~3 new
+ones). Reads never take that bucket from level 0 anyway: it is above the level's cut (the part past
+its last whole bucket, from the raw points).
+
 `n`, `total`, `lo`, `hi` cover the finite values only; `nonfinite` counts NaN and infinities, so a
 NaN is never averaged away: a step or group that holds one is shown as NaN.
 
@@ -78,14 +86,14 @@ _STATS_SQL = (
 _STAT_COLUMNS = "n, total, lo, hi, nonfinite"
 
 
-def in_range(ranked: bool) -> str:
+def in_range(ranked: bool, first: str = "first", last: str = "last") -> str:
     """The points of `:ids` in steps `:first`..`:last` (of ranks `:ranks` when `ranked`): the ranks are
     named so that PostgreSQL and SQLite seek the primary key (series, rank, step) instead of
     scanning every rank's steps."""
     return (
         "series_id IN :ids"
         + (" AND rank IN :ranks" if ranked else "")
-        + " AND step >= :first AND step <= :last"
+        + f" AND step >= :{first} AND step <= :{last}"
     )
 
 
@@ -95,17 +103,20 @@ def expanding(sql: str, ranked: bool) -> Any:
 
 
 def _roll_statements(ranked: bool) -> list[Any]:
-    where = in_range(ranked)
+    """A DELETE and an INSERT ... SELECT ... GROUP BY for level 0 of the rank rollups (whole buckets
+    `:lo`..`:hi - 1`, their steps `:bfirst`..`:blast`), then for the step rollups (steps
+    `:first`..`:last`)."""
     return [
         expanding(
             f"DELETE FROM rank_rollups WHERE series_id IN :ids AND level = 0{_ranks_named(ranked)} "
-            f"AND bucket >= :first / {BUCKET_STEPS} AND bucket <= :last / {BUCKET_STEPS}",
+            "AND bucket >= :lo AND bucket < :hi",
             ranked,
         ),
         expanding(
             f"INSERT INTO rank_rollups (series_id, level, rank, bucket, incarnation, {_STAT_COLUMNS}) "
             f"SELECT series_id, 0, rank, step / {BUCKET_STEPS}, incarnation, {_STATS_SQL} FROM points "
-            f"WHERE {where} GROUP BY series_id, rank, step / {BUCKET_STEPS}, incarnation",
+            f"WHERE {in_range(ranked, 'bfirst', 'blast')} "
+            f"GROUP BY series_id, rank, step / {BUCKET_STEPS}, incarnation",
             ranked,
         ),
         expanding(
@@ -114,7 +125,7 @@ def _roll_statements(ranked: bool) -> list[Any]:
         expanding(
             f"INSERT INTO step_rollups (series_id, step, incarnation, {_STAT_COLUMNS}) "
             f"SELECT series_id, step, incarnation, {_STATS_SQL} FROM points "
-            f"WHERE {where} GROUP BY series_id, step, incarnation",
+            f"WHERE {in_range(ranked)} GROUP BY series_id, step, incarnation",
             ranked,
         ),
     ]
@@ -152,7 +163,7 @@ def level_steps(level: int) -> int:
 
 
 _ROLL = {ranked: _roll_statements(ranked) for ranked in (False, True)}
-_SKIP = {ranked: [_ROLL[ranked][0], _ROLL[ranked][2]] for ranked in (False, True)}  # the DELETEs
+_SKIP = {ranked: [_ROLL[ranked][0], None, _ROLL[ranked][2], None] for ranked in (False, True)}  # the DELETEs
 _SCALAR_PARAMS = 8  # the most parameters of a roll-up statement besides its ids and ranks
 _LEVEL_ROLL = {ranked: _level_statements(ranked) for ranked in (False, True)}
 _MARK = text(
@@ -187,15 +198,27 @@ def run_ranks(conn: Connection, run_ids: list[int]) -> list[int] | None:
 
 @dataclass(frozen=True, slots=True)
 class Round:
-    """What one roll-up of a run covers (`plan`): whole buckets from `first`, the watermark raised to
-    `last_step`; `ids` are the run's series, `ranks` its ranks (None: more than MAX_RANK_LIST)."""
+    """What one roll-up of a run covers (`plan`): the step rollups of steps `from_step`..`last_step`,
+    level 0 of the rank rollups of the buckets from `first` that are whole up to the watermark after it
+    (`level0`), the watermark raised to `last_step`; `ids` are the run's series, `ranks` its ranks
+    (None: more than MAX_RANK_LIST)."""
 
     run_id: int
     first: int  # the first step of the first bucket
-    last_step: int  # the watermark after it
+    last_step: int  # the last step rolled up (the watermark after it, where higher)
     mark: int  # the watermark before it
     ids: list[int]
     ranks: list[int] | None
+    from_step: int  # the first step rolled up: the lowest step handed over, at most mark + 1
+
+    @property
+    def level0(self) -> tuple[int, int]:
+        """The level-0 buckets lo..hi-1 to roll up: those from `first`'s that end at or below the watermark
+        after the round. The bucket the watermark ends in waits for the round that passes its end (reads
+        take it from the raw points), so a bucket's steps are read once when it is whole, not again
+        every round while it fills."""
+        top = max(self.mark, self.last_step)
+        return self.first // BUCKET_STEPS, min(self.last // BUCKET_STEPS + 1, (top + 1) // BUCKET_STEPS)
 
     @property
     def last(self) -> int:
@@ -242,7 +265,7 @@ def plan(
     ranks = run_ranks(conn, [run_id])
     per_bucket = BUCKET_STEPS * max(1, len(ids)) * (MAX_RANK_LIST if ranks is None else max(1, len(ranks)))
     last_step = min(last_step, first + max(1, max_values // per_bucket) * BUCKET_STEPS - 1)
-    return Round(run_id, first, last_step, int(mark), ids, ranks)
+    return Round(run_id, first, last_step, int(mark), ids, ranks, first_step)
 
 
 def apply(conn: Connection, r: Round) -> None:
@@ -269,30 +292,45 @@ def apply_part(
     aggregated with numpy where the range holds compacted ones: module docstring), then the coarser
     rank rollup levels' whole buckets from the level below (`_roll_levels`). Each series'
     rollups change in one transaction: a reader sees a series' old rollups or its new ones."""
-    ranked, params = ranked_params({"ids": ids, "first": r.first, "last": r.last}, r.ranks)
+    lo, hi = r.level0
+    bfirst, blast = lo * BUCKET_STEPS, hi * BUCKET_STEPS - 1
+    ranked, params = ranked_params(
+        {"ids": ids, "first": r.from_step, "last": r.last_step, "lo": lo, "hi": hi, "bfirst": bfirst,
+         "blast": blast},
+        r.ranks,
+    )  # fmt: skip
     blocks.lock_run(conn, r.run_id)
     compacted = blocks.compacted_to(conn, r.run_id) if statements is None else None
-    if compacted is not None and r.first <= compacted:  # values in blocks, which SQL cannot read
-        for statement in _SKIP[ranked]:
-            conn.execute(statement, params)
-        _insert_from_values(conn, read_values(conn, ids, None, r.first, r.last, ranks=r.ranks))
+    if compacted is not None and min(r.from_step, bfirst) <= compacted:  # values in blocks: SQL cannot read
+        chosen = _SKIP[ranked]
     else:
-        for statement in (statements or _ROLL)[ranked]:
+        chosen = (statements or _ROLL)[ranked]
+    for i, statement in enumerate(chosen):
+        if statement is not None and (i >= 2 or lo < hi):  # 0, 1: level 0's, none without a whole bucket
             conn.execute(statement, params)
+    if chosen is _SKIP[ranked] and statements is None:
+        first, last = min(r.from_step, bfirst), max(r.last_step, blast)
+        cols = read_values(conn, ids, None, first, last, ranks=r.ranks)
+        _insert_from_values(conn, cols, (bfirst, blast), (r.from_step, r.last_step))
     _roll_levels(conn, ids, r.ranks, r.first, r.last, max(r.mark, r.last_step))
 
 
-def _insert_from_values(conn: Connection, cols: list[np.ndarray]) -> None:
-    """Level 0 of the rank rollups and the step rollups of the values `cols` (every incarnation: each
-    row keeps its own), as the statements of `_ROLL` compute them from `points`."""
-    sid, rank, step, inc, value = cols
-    if sid.size == 0:
-        return
-    for table, keys in (
-        (RankRollup, {"series_id": sid, "level": np.zeros_like(sid), "rank": rank, "bucket": step // BUCKET_STEPS,
-                      "incarnation": inc}),
-        (StepRollup, {"series_id": sid, "step": step, "incarnation": inc}),
-    ):  # fmt: skip
+def _insert_from_values(
+    conn: Connection, cols: list[np.ndarray], buckets: tuple[int, int], steps: tuple[int, int]
+) -> None:
+    """Level 0 of the rank rollups of the values `cols` in steps `buckets` (first, last) and the step
+    rollups of those in steps `steps` (every incarnation: each row keeps its own), as the statements of
+    `_ROLL` compute them from `points`."""
+    for table, (first, last) in ((RankRollup, buckets), (StepRollup, steps)):
+        inside = (cols[2] >= first) & (cols[2] <= last)
+        sid, rank, step, inc, value = (c[inside] for c in cols)
+        if sid.size == 0:
+            continue
+        if table is RankRollup:
+            keys = {"series_id": sid, "level": np.zeros_like(sid), "rank": rank, "bucket": step // BUCKET_STEPS,
+                    "incarnation": inc}  # fmt: skip
+        else:
+            keys = {"series_id": sid, "step": step, "incarnation": inc}
         unique, stats = aggregate(list(keys.values()), value)
         columns = {
             **dict(zip(keys, unique, strict=True)),
