@@ -129,8 +129,9 @@ class SquareSums:
     On a CPU, up to FLAT_TENSORS tensors that are all small (SMALL_ELEMENTS or fewer) are copied into one
     flat buffer (reduced by one `segment_reduce`, or one norm); more of them, small tensors of one shape
     are stacked (one copy, ~0.3 us a tensor here, a third of `_flatten_dense_tensors`), squared and
-    summed per row; with more shapes than a quarter of them, one flat copy and one `segment_reduce`; bigger tensors, and every tensor
-    elsewhere, by the foreach norm (one fused kernel on CUDA). The parts are put back in list order."""
+    summed per row; with more shapes than a quarter of them, one flat copy and one `segment_reduce`;
+    bigger tensors, and every tensor elsewhere, by the foreach norm (one fused kernel on CUDA). The
+    parts are put back in list order."""
 
     def __init__(self) -> None:
         self._key: tuple[int, ...] | None = None
@@ -178,7 +179,7 @@ class SquareSums:
         `view`), their sum and a `sqrt`, a fixed cost of every step."""
         with torch.no_grad():
             if key != self._key:
-                self._plan(tensors, key)
+                self._plan(tensors, key)  # so that `_each_part` below finds the plan made
             if out is not None and len(self._parts) == 1 and self._parts[0][0] == "flat":
                 try:  # one flat copy, its norm written into `out`: two dispatches in all
                     joined = _flatten(tensors)
