@@ -342,7 +342,7 @@ def compact(url: str) -> dict[str, Any]:
 
 
 _TABLES = (
-    "points, blocks, rank_rollups, step_rollups, steps, series, runs, ranks"  # this run's, in its schema
+    "points, blocks, rank_rollup_packs, step_rollups, steps, series, runs, ranks"  # this run's, in its schema
 )
 
 

@@ -50,7 +50,7 @@ def fresh_database(backend: str, directory: Path) -> Iterator[str]:
         admin.dispose()
 
 
-ASYNC_TABLES = ("anomalies", "rank_rollups", "step_rollups", "rollup_marks")
+ASYNC_TABLES = ("anomalies", "rank_rollup_packs", "step_rollups", "rollup_marks")
 
 
 def table_counts(url: str) -> dict[str, int]:

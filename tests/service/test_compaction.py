@@ -22,7 +22,7 @@ from sqlalchemy import Engine, func, insert, select
 
 from stepwatch_server.cli import build_parser
 from stepwatch_server.ingest.store import insert_points
-from stepwatch_server.runs import queries, rollups
+from stepwatch_server.runs import queries, rank_packs, rollups
 from stepwatch_server.runs.compaction import CompactionWorker
 from stepwatch_server.runs.deletion import delete_run, find
 from stepwatch_server.runs.expiry import ExpiryWorker
@@ -31,7 +31,6 @@ from stepwatch_server.storage import make_engine, upgrade, write_transaction
 from stepwatch_server.storage.models import (
     Point,
     Rank,
-    RankRollup,
     RollupMark,
     Run,
     Series,
@@ -245,14 +244,9 @@ def test_a_late_value_for_a_compacted_step_is_read_with_its_block_and_rolled_up(
     # Rank 1's first bucket (steps 0..63) in the rank rollups: the block's 54 steps and the 10 late ones.
     with engine.connect() as conn:
         sid = conn.execute(select(Series.id).where(Series.name == "time.step_ms")).scalar_one()
-        n, total = conn.execute(
-            select(RankRollup.n, RankRollup.total).where(
-                RankRollup.series_id == sid,
-                RankRollup.level == 0,
-                RankRollup.rank == 1,
-                RankRollup.bucket == 0,
-            )
-        ).one()
+        cols = rank_packs.read(conn, [sid], 0, 0, 0)
+        (row,) = np.flatnonzero(cols[1] == 1)  # rank 1's figures of bucket 0
+        n, total = int(cols[4][row]), float(cols[5][row])
     assert n == 64 and total == pytest.approx(sum(100.0 + 0.001 * s + 1 for s in range(64)))
     mean = collector.get("/api/v1/runs/compact/series", metric="time.step_ms", rank="mean", max_points=10_000)
     steps = mean["series"][0]["steps"]

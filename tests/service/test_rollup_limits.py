@@ -21,7 +21,7 @@ from stepwatch_server.metrics.collector import REGISTRY
 from stepwatch_server.runs import queries, rank_rollups, rollup_worker, rollups, step_rollups
 from stepwatch_server.runs.rollup_worker import RollupWorker
 from stepwatch_server.storage import make_engine, upgrade, write_transaction
-from stepwatch_server.storage.models import Point, RankRollup, Run, Series, StepRollup
+from stepwatch_server.storage.models import Point, RankRollupPack, Run, Series, StepRollup
 
 OLD_SQLITE_VARIABLES = 32_766  # SQLITE_MAX_VARIABLE_NUMBER of some builds (250,000 on modern ones)
 SERIES = 70_000  # more than psycopg's 65,535 parameters per statement, more than OLD_SQLITE_VARIABLES
@@ -70,8 +70,10 @@ def test_a_round_over_more_series_than_one_statement_may_bind_completes(engine: 
         assert rollups.rolled_to(conn, ids) == rollups.BUCKET_STEPS - 1
         step_rows = conn.execute(select(func.count(), func.sum(StepRollup.total), func.min(StepRollup.n)))
         assert tuple(step_rows.one()) == (SERIES, 3.0 * SERIES, 2)
-        level0 = conn.execute(select(func.count()).where(RankRollup.level == 0)).scalar_one()
-        assert level0 == 2 * SERIES
+        packs = conn.execute(
+            select(func.count(), func.sum(RankRollupPack.ranks)).where(RankRollupPack.level == 0)
+        )
+        assert tuple(packs.one()) == (SERIES, 2 * SERIES)  # a pack per series, holding both ranks
         # the reads of every series at once (as the amax view reads every module's)
         read = queries.read_points(conn, ids, None, 0, 0, ranks=[0, 1])
         assert len(read) == 2 * SERIES and {s.series_id for s in read} == set(ids)

@@ -20,11 +20,11 @@ from sqlalchemy import Connection, Engine, event, insert, select, text
 
 from stepwatch_server.dashboard.heatmap import heatmap, heatmap_from_rollups
 from stepwatch_server.ingest.store import POINT_COLUMNS, PointRow, insert_points
-from stepwatch_server.runs import queries, rank_rollups, rollups, step_rollups
+from stepwatch_server.runs import queries, rank_packs, rank_rollups, rollups, step_rollups
 from stepwatch_server.runs.rollup_worker import RollupWorker
 from stepwatch_server.storage import make_engine, upgrade
 from stepwatch_server.storage.engine import write_transaction
-from stepwatch_server.storage.models import Point, RankRollup, Run, Series, StepRollup
+from stepwatch_server.storage.models import Point, Run, Series, StepRollup
 from tests.service.conftest import Collector, steps_batch
 
 RANKS = 3
@@ -261,12 +261,12 @@ def test_a_long_run_heatmap_reads_one_row_per_cell_of_a_coarse_level(
                     expected[key][3],
                 )
                 assert total == pytest.approx(expected[key][1])
-        top = (
-            conn.execute(select(RankRollup.bucket).where(RankRollup.series_id == sid, RankRollup.level == 12))
-            .scalars()
-            .all()
-        )
-        assert sorted(set(top)) == [0, 1, 2]  # steps 0..786,431 whole; bucket 3 (786,432..) ends past 999,000
+        top = rank_packs.read(conn, [sid], 12, 0, None)[2]
+        assert sorted(set(top.tolist())) == [
+            0,
+            1,
+            2,
+        ]  # steps 0..786,431 whole; bucket 3 (786,432..) ends past 999,000
 
 
 def _loss_run(engine: Engine, name: str, world_size: int) -> tuple[int, int]:
@@ -318,13 +318,9 @@ def test_a_round_reads_each_step_once_and_a_bucket_once_it_is_whole(engine: Engi
 
     def level0() -> dict[int, tuple[int, float]]:
         with engine.connect() as conn:
-            rows = conn.execute(
-                select(RankRollup.bucket, RankRollup.rank, RankRollup.n, RankRollup.total).where(
-                    RankRollup.series_id == sid, RankRollup.level == 0
-                )
-            )
+            cols = rank_packs.read(conn, [sid], 0, 0, None)
             out: dict[int, tuple[int, float]] = {}
-            for bucket, _, n, total in rows:
+            for bucket, n, total in zip(cols[2].tolist(), cols[4].tolist(), cols[5].tolist(), strict=True):
                 before = out.get(bucket, (0, 0.0))
                 out[bucket] = (before[0] + n, before[1] + total)
             return out

@@ -218,12 +218,14 @@ def fetch_chunked(
     return [np.concatenate([p[i] for p in parts]) for i in range(len(parts[0]))]
 
 
-def fetch_columns(conn: Connection, statement: Any, integers: Sequence[int]) -> list[np.ndarray]:
+def fetch_columns(
+    conn: Connection, statement: Any, integers: Sequence[int], params: dict[str, Any] | None = None
+) -> list[np.ndarray]:
     """The rows of a SELECT as one array per column, read straight from the driver's cursor: at 100k
     rows SQLAlchemy's Row objects and a per-column conversion cost as much as the fetch itself. The
     columns at the indices `integers` come back as int64 (exact, steps up to 2**62 included), the
     others as float64 (NULL -> NaN)."""
-    result = conn.execute(statement)
+    result = conn.execute(statement, params)
     try:
         width = len(result.cursor.description)
         rows = result.cursor.fetchall()

@@ -1,22 +1,17 @@
-"""Reads of the per-rank rollups (`rank_rollups`, kept by runs/rollups.py): each rank's figures per
+"""Reads of the per-rank rollups (`rank_rollup_packs`, kept by runs/rollups.py): each rank's figures per
 bucket of a level, a heatmap's columns from the level that fits them (`read_columns`), the figures of
 an exact step range from the fewest whole buckets (`read_span`), and the per-rank curves of
 `series?rank=all` over a wide range (`rank_curves`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 import numpy as np
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection
 
-from stepwatch_server.runs import step_rollups
-from stepwatch_server.runs.queries import fetch_chunked
+from stepwatch_server.runs import rank_packs, step_rollups
 from stepwatch_server.runs.rollups import (
     BUCKET_STEPS,
     LEVELS,
-    ROLLUP_INTEGERS,
     Buckets,
     empty,
     from_points,
@@ -27,7 +22,6 @@ from stepwatch_server.runs.rollups import (
     run_ids_of,
     run_ranks,
 )
-from stepwatch_server.storage.models import RankRollup
 
 RAW_READ_BUDGET = 200_000  # above this many raw values, a heatmap or series?rank=all reads the rollups
 
@@ -64,19 +58,10 @@ def _read_level(
     cut = (mark + 1) // width
     parts: list[Buckets] = []
     if first < cut:
-        r = RankRollup
-
-        def query(part: Sequence[int]) -> Any:
-            q = select(
-                r.series_id, r.rank, r.bucket, r.incarnation, r.n, r.total, r.lo, r.hi, r.nonfinite
-            ).where(r.series_id.in_(part), r.level == level, r.bucket >= first, r.bucket < cut)
-            if last is not None:
-                q = q.where(r.bucket <= last)
-            if ranks is not None:
-                q = q.where(r.rank.in_(ranks))  # the primary key (series, level, rank, bucket) is sought
-            return q.order_by(r.series_id, r.rank, r.bucket, r.incarnation)
-
-        cols = fetch_chunked(conn, ids, query, ROLLUP_INTEGERS, fixed=len(ranks or ()) + 4)
+        cols = rank_packs.read(conn, ids, level, first, cut - 1 if last is None else min(cut - 1, last))
+        if ranks is not None:
+            inside = np.isin(cols[1], ranks)
+            cols = [c[inside] for c in cols]
 
         def exact(sid: int, bucket: int) -> Buckets:
             if level == 0:

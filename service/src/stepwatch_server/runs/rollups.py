@@ -3,23 +3,25 @@
 A run of 100,000 steps x 512 ranks holds 51 million values per metric; no page can read that in
 seconds. So two tables are kept off the ingest path by the rollup worker (runs/rollup_worker.py):
 after each commit ingest hands it the batch's run and step range, and about every half second it
-recomputes the dirty ranges from the raw points, set-based (`roll_up`: per run one DELETE and one
-INSERT ... SELECT ... GROUP BY per table and level, in one short transaction):
+recomputes the dirty ranges from the raw points, in one short transaction per group of series
+(`roll_up`):
 
 - `step_rollups`: per (series, step, incarnation), over every rank: what the curves (mean over
-  ranks) and the amax (max over ranks) need. A view groups these rows in SQL into at most about
-  `max_points / 2` groups and keeps each group's lowest and highest per-step mean (and highest
-  maximum), so a one-step spike survives; 100k steps are 100k rows, read by the database, not by
-  Python.
-- `rank_rollups`: per (series, level, rank, bucket, incarnation), for the heatmaps (ranks x steps).
-  Level 0's buckets are BUCKET_STEPS (64) steps wide, summed from the raw points; each level above
-  has buckets twice as wide, summed from the two below (`_roll_levels`), up to LEVELS - 1 (262,144
-  steps). A heatmap asked for C columns reads the finest level with at most C buckets in its range
-  (`column_level`): one stored row per rank and column, in primary-key order, nothing grouped by
-  the database. 100k steps x 512 ranks in 240 columns are 196 x 512 rows of level 3, where level 0
-  alone would mean grouping 800k rows. Levels above 0 hold whole buckets only (those wholly up to
-  the watermark); the part of a range past a level's last whole bucket is summed from the level
-  below, down to the raw points.
+  ranks) and the amax (max over ranks) need, one DELETE and one INSERT ... SELECT ... GROUP BY. A
+  view groups these rows in SQL into at most about `max_points / 2` groups and keeps each group's
+  lowest and highest per-step mean (and highest maximum), so a one-step spike survives; 100k steps
+  are 100k rows, read by the database, not by Python.
+- the rank rollups, per (series, level, rank, bucket, incarnation), for the heatmaps (ranks x steps),
+  stored as one row per (series, level, bucket, incarnation) holding every rank's figures
+  (`rank_rollup_packs`, runs/rank_packs.py: a row per rank took more room than the compacted values).
+  Level 0's buckets are BUCKET_STEPS (64) steps wide, grouped from the raw points by the database
+  (`_LEVEL0`) and packed here; each level above has buckets twice as wide, summed with numpy from
+  the two below (`_roll_levels`), up to LEVELS - 1 (262,144 steps). A heatmap asked for C columns
+  reads the finest level with at most C buckets in its range (`column_level`): one pack per column,
+  nothing grouped by the database. 100k steps x 512 ranks in 240 columns are 196 packs of level 3,
+  where level 0 alone would mean grouping 800k figures. Levels above 0 hold whole buckets only (those
+  wholly up to the watermark); the part of a range past a level's last whole bucket is summed from
+  the level below, down to the raw points.
 
 What a round reads: the step rollups of the steps handed over (from the watermark + 1, or lower for a
 late batch) and no others, and level 0 of the buckets among them that are whole up to the new
@@ -39,9 +41,9 @@ a level's bucket from the level below, level 0's and a step's from the raw point
 figure equals the aggregation of the raw series.
 
 The rollups lag ingest by about a round. `rollup_marks` holds per run the highest step rolled up
-(the watermark); every read takes the rollups of the steps up to it (whole buckets for
-`rank_rollups`) and aggregates the raw points above it (the last second or so), so a view is complete
-while the worker catches up. A late batch for steps below the watermark (a slow rank) is in the raw
+(the watermark); every read takes the rollups of the steps up to it (whole buckets for the
+rank rollups) and aggregates the raw points above it (the last second or so), so a view is
+complete while the worker catches up. A late batch for steps below the watermark (a slow rank) is in the raw
 series at once and in these views after the worker's next round.
 
 Compacted values (runs/compaction.py) live in `blocks`, which SQL cannot read. Compaction only takes
@@ -65,10 +67,11 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Connection, bindparam, func, insert, select, text
 
-from stepwatch_server.runs.queries import read_points, read_values
+from stepwatch_server.runs import rank_packs
+from stepwatch_server.runs.queries import fetch_columns, read_points, read_values
 from stepwatch_server.storage import blocks
 from stepwatch_server.storage.chunks import chunk_size, chunks
-from stepwatch_server.storage.models import AgentSession, RankRollup, RollupMark, Run, Series, StepRollup
+from stepwatch_server.storage.models import AgentSession, RollupMark, Run, Series, StepRollup
 
 BUCKET_STEPS = 64  # a level-0 rank rollup's bucket; level k's is BUCKET_STEPS << k steps wide
 LEVELS = 13  # levels 0..12: buckets of 64 .. 262,144 steps, each twice as wide as the one below
@@ -102,59 +105,26 @@ def expanding(sql: str, ranked: bool) -> Any:
     return text(sql).bindparams(*(bindparam(n, expanding=True) for n in names))
 
 
-def _roll_statements(ranked: bool) -> list[Any]:
-    """A DELETE and an INSERT ... SELECT ... GROUP BY for level 0 of the rank rollups (whole buckets
-    `:lo`..`:hi - 1`, their steps `:bfirst`..`:blast`), then for the step rollups (steps
-    `:first`..`:last`)."""
-    return [
-        expanding(
-            f"DELETE FROM rank_rollups WHERE series_id IN :ids AND level = 0{_ranks_named(ranked)} "
-            "AND bucket >= :lo AND bucket < :hi",
-            ranked,
-        ),
-        expanding(
-            f"INSERT INTO rank_rollups (series_id, level, rank, bucket, incarnation, {_STAT_COLUMNS}) "
-            f"SELECT series_id, 0, rank, step / {BUCKET_STEPS}, incarnation, {_STATS_SQL} FROM points "
-            f"WHERE {in_range(ranked, 'bfirst', 'blast')} "
-            f"GROUP BY series_id, rank, step / {BUCKET_STEPS}, incarnation",
-            ranked,
-        ),
-        expanding(
-            "DELETE FROM step_rollups WHERE series_id IN :ids AND step >= :first AND step <= :last", False
-        ),
-        expanding(
-            f"INSERT INTO step_rollups (series_id, step, incarnation, {_STAT_COLUMNS}) "
-            f"SELECT series_id, step, incarnation, {_STATS_SQL} FROM points "
-            f"WHERE {in_range(ranked)} GROUP BY series_id, step, incarnation",
-            ranked,
-        ),
-    ]
-
-
-def _ranks_named(ranked: bool) -> str:
-    """Name the ranks in a statement on `rank_rollups`, so that both databases seek its primary key
-    (series, level, rank, bucket) per rank instead of scanning every rank's buckets of the level:
-    without it, each round read all of a series' rows of the level, and the worker slowed as the
-    run grew."""
-    return " AND rank IN :ranks" if ranked else ""
-
-
-def _level_statements(ranked: bool) -> list[Any]:
-    """A level's buckets lo..hi-1, summed from the level below (two buckets each)."""
-    return [
-        expanding(
-            f"DELETE FROM rank_rollups WHERE series_id IN :ids AND level = :level{_ranks_named(ranked)} "
-            "AND bucket >= :lo AND bucket < :hi",
-            ranked,
-        ),
-        expanding(
-            f"INSERT INTO rank_rollups (series_id, level, rank, bucket, incarnation, {_STAT_COLUMNS}) "
-            "SELECT series_id, :level, rank, bucket / 2, incarnation, sum(n), sum(total), min(lo), max(hi), "
-            f"sum(nonfinite) FROM rank_rollups WHERE series_id IN :ids AND level = :below{_ranks_named(ranked)} "
-            "AND bucket >= :lo * 2 AND bucket < :hi * 2 GROUP BY series_id, rank, bucket / 2, incarnation",
-            ranked,
-        ),
-    ]
+_LEVEL0 = {
+    ranked: expanding(
+        f"SELECT series_id, rank, step / {BUCKET_STEPS}, incarnation, {_STATS_SQL} FROM points "
+        f"WHERE {in_range(ranked, 'bfirst', 'blast')} GROUP BY series_id, rank, step / {BUCKET_STEPS}, incarnation",
+        ranked,
+    )
+    for ranked in (False, True)
+}  # level 0 of the rank rollups per (series, rank, bucket, incarnation): whole buckets, steps :bfirst..:blast
+_STEP_DELETE = expanding(
+    "DELETE FROM step_rollups WHERE series_id IN :ids AND step >= :first AND step <= :last", False
+)
+_STEP_INSERT = {
+    ranked: expanding(
+        f"INSERT INTO step_rollups (series_id, step, incarnation, {_STAT_COLUMNS}) "
+        f"SELECT series_id, step, incarnation, {_STATS_SQL} FROM points "
+        f"WHERE {in_range(ranked)} GROUP BY series_id, step, incarnation",
+        ranked,
+    )
+    for ranked in (False, True)
+}  # the step rollups of steps :first..:last
 
 
 def level_steps(level: int) -> int:
@@ -162,10 +132,7 @@ def level_steps(level: int) -> int:
     return BUCKET_STEPS << level
 
 
-_ROLL = {ranked: _roll_statements(ranked) for ranked in (False, True)}
-_SKIP = {ranked: [_ROLL[ranked][0], None, _ROLL[ranked][2], None] for ranked in (False, True)}  # the DELETEs
 _SCALAR_PARAMS = 8  # the most parameters of a roll-up statement besides its ids and ranks
-_LEVEL_ROLL = {ranked: _level_statements(ranked) for ranked in (False, True)}
 _MARK = text(
     "INSERT INTO rollup_marks (run_id, rolled_to) VALUES (:run, :to) ON CONFLICT (run_id) DO UPDATE SET "
     "rolled_to = CASE WHEN excluded.rolled_to > rollup_marks.rolled_to THEN excluded.rolled_to "
@@ -217,8 +184,12 @@ class Round:
         after the round. The bucket the watermark ends in waits for the round that passes its end (reads
         take it from the raw points), so a bucket's steps are read once when it is whole, not again
         every round while it fills."""
-        top = max(self.mark, self.last_step)
-        return self.first // BUCKET_STEPS, min(self.last // BUCKET_STEPS + 1, (top + 1) // BUCKET_STEPS)
+        return self.first // BUCKET_STEPS, min(self.last // BUCKET_STEPS + 1, (self.top + 1) // BUCKET_STEPS)
+
+    @property
+    def top(self) -> int:
+        """The watermark after the round."""
+        return max(self.mark, self.last_step)
 
     @property
     def last(self) -> int:
@@ -285,65 +256,64 @@ def parts(conn: Connection, r: Round, max_values: int = NO_LIMIT) -> list[list[i
     return [list(part) for part in chunks(r.ids, size)]
 
 
-def apply_part(
-    conn: Connection, r: Round, ids: list[int], statements: dict[bool, list[Any]] | None = None
-) -> None:
-    """Round `r` for series `ids`: a DELETE and an INSERT ... SELECT ... GROUP BY per table (the values
-    aggregated with numpy where the range holds compacted ones: module docstring), then the coarser
-    rank rollup levels' whole buckets from the level below (`_roll_levels`). Each series'
-    rollups change in one transaction: a reader sees a series' old rollups or its new ones."""
+def apply_part(conn: Connection, r: Round, ids: list[int], skip: bool = False) -> None:
+    """Round `r` for series `ids`: the step rollups (a DELETE and an INSERT ... SELECT ... GROUP BY) and
+    level 0 of the rank rollups (their figures per rank grouped by the database, packed here:
+    runs/rank_packs.py) of the round's ranges, aggregated with numpy where the range holds compacted
+    values (module docstring), then the coarser levels' whole buckets from the level below
+    (`_roll_levels`). `skip`: delete the round's step rollups and level-0 packs and write none. Each
+    series' rollups change in one transaction: a reader sees a series' old rollups or its new ones."""
     lo, hi = r.level0
     bfirst, blast = lo * BUCKET_STEPS, hi * BUCKET_STEPS - 1
     ranked, params = ranked_params(
-        {"ids": ids, "first": r.from_step, "last": r.last_step, "lo": lo, "hi": hi, "bfirst": bfirst,
-         "blast": blast},
-        r.ranks,
-    )  # fmt: skip
+        {"ids": ids, "first": r.from_step, "last": r.last_step, "bfirst": bfirst, "blast": blast}, r.ranks
+    )
     blocks.lock_run(conn, r.run_id)
-    compacted = blocks.compacted_to(conn, r.run_id) if statements is None else None
-    if compacted is not None and min(r.from_step, bfirst) <= compacted:  # values in blocks: SQL cannot read
-        chosen = _SKIP[ranked]
-    else:
-        chosen = (statements or _ROLL)[ranked]
-    for i, statement in enumerate(chosen):
-        if statement is not None and (i >= 2 or lo < hi):  # 0, 1: level 0's, none without a whole bucket
-            conn.execute(statement, params)
-    if chosen is _SKIP[ranked] and statements is None:
+    conn.execute(_STEP_DELETE, params)
+    if lo < hi:  # none without a whole bucket
+        rank_packs.remove(conn, ids, 0, lo, hi)
+    compacted = None if skip else blocks.compacted_to(conn, r.run_id)
+    if skip:
+        pass
+    elif compacted is not None and min(r.from_step, bfirst) <= compacted:  # values in blocks: SQL cannot read
         first, last = min(r.from_step, bfirst), max(r.last_step, blast)
         cols = read_values(conn, ids, None, first, last, ranks=r.ranks)
         _insert_from_values(conn, cols, (bfirst, blast), (r.from_step, r.last_step))
-    _roll_levels(conn, ids, r.ranks, r.first, r.last, max(r.mark, r.last_step))
+    else:
+        conn.execute(_STEP_INSERT[ranked], params)
+        if lo < hi:
+            rank_packs.write(conn, 0, fetch_columns(conn, _LEVEL0[ranked], ROLLUP_INTEGERS, params))
+    _roll_levels(conn, ids, r.first, r.last, r.top)
 
 
 def _insert_from_values(
     conn: Connection, cols: list[np.ndarray], buckets: tuple[int, int], steps: tuple[int, int]
 ) -> None:
     """Level 0 of the rank rollups of the values `cols` in steps `buckets` (first, last) and the step
-    rollups of those in steps `steps` (every incarnation: each row keeps its own), as the statements of
-    `_ROLL` compute them from `points`."""
-    for table, (first, last) in ((RankRollup, buckets), (StepRollup, steps)):
+    rollups of those in steps `steps` (every incarnation: each row keeps its own), as `_LEVEL0` and
+    `_STEP_INSERT` compute them from `points`."""
+
+    def within(first: int, last: int) -> list[np.ndarray]:
         inside = (cols[2] >= first) & (cols[2] <= last)
-        sid, rank, step, inc, value = (c[inside] for c in cols)
-        if sid.size == 0:
-            continue
-        if table is RankRollup:
-            keys = {"series_id": sid, "level": np.zeros_like(sid), "rank": rank, "bucket": step // BUCKET_STEPS,
-                    "incarnation": inc}  # fmt: skip
-        else:
-            keys = {"series_id": sid, "step": step, "incarnation": inc}
-        unique, stats = aggregate(list(keys.values()), value)
-        columns = {
-            **dict(zip(keys, unique, strict=True)),
-            **dict(zip(_STAT_COLUMNS.split(", "), stats, strict=True)),
+        return [c[inside] for c in cols]
+
+    sid, rank, step, inc, value = within(*buckets)
+    if sid.size:
+        unique, stats = aggregate([sid, rank, step // BUCKET_STEPS, inc], value)
+        rank_packs.write(conn, 0, [*unique, *stats])
+    sid, _, step, inc, value = within(*steps)
+    if sid.size == 0:
+        return
+    unique, stats = aggregate([sid, step, inc], value)
+    names = ["series_id", "step", "incarnation", *_STAT_COLUMNS.split(", ")]
+    rows = [
+        {
+            name: (None if isinstance(v, float) and np.isnan(v) else v)
+            for name, v in zip(names, row, strict=True)
         }
-        rows = [
-            {
-                name: (None if isinstance(v, float) and np.isnan(v) else v)
-                for name, v in zip(columns, row, strict=True)
-            }
-            for row in zip(*(c.tolist() for c in columns.values()), strict=True)
-        ]
-        conn.execute(insert(table), rows)
+        for row in zip(*(c.tolist() for c in (*unique, *stats)), strict=True)
+    ]
+    conn.execute(insert(StepRollup), rows)
 
 
 def finish(conn: Connection, r: Round) -> None:
@@ -357,13 +327,11 @@ def skip(conn: Connection, r: Round) -> None:
     show an older state of them, sum the coarser levels over them again from what is left, and raise
     the watermark past them so that the run's later steps are rolled up. The raw points are kept."""
     for ids in parts(conn, r):
-        apply_part(conn, r, ids, _SKIP)
+        apply_part(conn, r, ids, skip=True)
     finish(conn, r)
 
 
-def _roll_levels(
-    conn: Connection, ids: list[int], ranks: list[int] | None, first: int, last: int, mark: int
-) -> None:
+def _roll_levels(conn: Connection, ids: list[int], first: int, last: int, mark: int) -> None:
     """Levels 1.. of the rank rollups: recompute each level's buckets that hold a step of first..last
     (just rolled up at level 0) and lie wholly up to the watermark `mark`, from the level below,
     finest level first. A bucket reaching above the watermark is left out until the round that
@@ -373,11 +341,9 @@ def _roll_levels(
         lo, hi = first // width, min((mark + 1) // width, last // width + 1)
         if lo >= hi:
             continue  # no whole bucket of this level (nor of the coarser ones) changed
-        ranked, params = ranked_params(
-            {"ids": ids, "level": level, "below": level - 1, "lo": lo, "hi": hi}, ranks
-        )
-        for statement in _LEVEL_ROLL[ranked]:
-            conn.execute(statement, params)
+        below = rank_packs.read(conn, ids, level - 1, 2 * lo, 2 * hi - 1)
+        rank_packs.remove(conn, ids, level, lo, hi)
+        rank_packs.write(conn, level, rank_packs.combine(below, 2))
 
 
 def rolled_to(conn: Connection, ids: list[int]) -> int:
@@ -465,7 +431,7 @@ def aggregate(keys: Sequence[np.ndarray], values: np.ndarray) -> tuple[list[np.n
     return [k[starts] for k in sorted_keys], [n, total, lo, hi, nonfinite]
 
 
-ROLLUP_INTEGERS = (0, 1, 2, 3, 4, 8)  # the integer columns of a rollup read (`fetch_columns`)
+ROLLUP_INTEGERS = rank_packs.INTEGERS  # the integer columns of a rollup read (`fetch_columns`)
 
 
 def resolve(cols: list[np.ndarray], exact: Callable[[int, int], Buckets]) -> Buckets:

@@ -1,0 +1,148 @@
+"""How the rank rollups are stored: one row per (series, level, bucket, incarnation) that holds every
+rank's figures (`rank_rollup_packs`), not one row per rank.
+
+A row per rank took ~40 bytes on SQLite and ~136 on PostgreSQL (its key and tuple header included): 2.3
+and 7.6 bytes per stored value of a 256-rank run, more than the compacted values themselves (issue 17,
+bench/README.md "Storage"). A pack is a block of the block codec (storage/codec.py) whose "steps" are
+the ranks it holds (increasing) and whose five rows are the figures, in the order of `FIGURES`: counts
+as whole numbers, minima and maxima as float32 words when every one is float32-exact (the agent sends
+float32 values), sums as float64 words, each row XORed or differenced and split into byte planes under
+zstd; a bucket without finite values keeps NaN as its minimum and maximum. Decoding gives back every
+figure bit for bit.
+
+The rollup worker (runs/rollups.py) writes a bucket's pack whole, for all of the run's ranks at once,
+and replaces it when a late value changes it; reads (runs/rank_rollups.py) decode the packs of a range
+into columns, one row per rank again.
+
+Columns here are lists of numpy arrays in the order of `COLUMNS`, as the reads use them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from sqlalchemy import Connection, delete, insert, select
+
+from stepwatch_server.storage import codec
+from stepwatch_server.storage.chunks import chunk_size, chunks
+from stepwatch_server.storage.models import RankRollupPack
+
+FIGURES = ("n", "total", "lo", "hi", "nonfinite")
+COLUMNS = ("series_id", "rank", "bucket", "incarnation", *FIGURES)
+INTEGERS = (0, 1, 2, 3, 4, 8)  # the integer columns of COLUMNS
+_ROWS = np.arange(len(FIGURES), dtype=np.int64)
+_INSERT_ROWS = 1_000  # packs per INSERT: a pack of 4,096 ranks is ~60 KB
+
+
+def encode(rank: np.ndarray, figures: Sequence[np.ndarray]) -> bytes:
+    """The pack of one bucket: `rank` increasing, `figures` the five columns of FIGURES (one per rank)."""
+    values = np.stack([np.asarray(f, dtype=np.float64) for f in figures])
+    present = np.ones(values.shape, dtype=bool)
+    return codec.encode(codec.Block(np.asarray(rank, dtype=np.int64), _ROWS, values, present))
+
+
+def decode(data: bytes) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(ranks, the five figure columns) of a pack; codec.CorruptBlock when `data` is not one."""
+    block = codec.decode(data)
+    if block.values.shape[0] != len(FIGURES) or not block.present.all():
+        raise codec.CorruptBlock(f"rank rollup pack: {block.values.shape[0]} rows, expected {len(FIGURES)}")
+    n, total, lo, hi, nonfinite = block.values
+    return block.steps, [n.astype(np.int64), total, lo, hi, nonfinite.astype(np.int64)]
+
+
+def empty() -> list[np.ndarray]:
+    return [np.zeros(0, dtype=np.int64 if i in INTEGERS else np.float64) for i in range(len(COLUMNS))]
+
+
+def combine(cols: list[np.ndarray], factor: int = 1) -> list[np.ndarray]:
+    """Columns summed per (series, rank, bucket // factor, incarnation): counts and sums added, the lowest
+    minimum and the highest maximum kept (NaN where no bucket had a finite value), sorted by that key."""
+    sid, rank, bucket, inc = cols[0], cols[1], cols[2] // factor, cols[3]
+    if sid.size == 0:
+        return empty()
+    order = np.lexsort((inc, bucket, rank, sid))
+    keys = [k[order] for k in (sid, rank, bucket, inc)]
+    change = np.zeros(sid.size, dtype=bool)
+    change[0] = True
+    for k in keys:
+        change[1:] |= k[1:] != k[:-1]
+    starts = np.flatnonzero(change)
+    n, total, lo, hi, bad = (c[order] for c in cols[4:])
+    with np.errstate(invalid="ignore"):
+        return [
+            *(k[starts] for k in keys),
+            np.add.reduceat(n, starts),
+            np.add.reduceat(total, starts),
+            np.fmin.reduceat(lo, starts),
+            np.fmax.reduceat(hi, starts),
+            np.add.reduceat(bad, starts),
+        ]
+
+
+def write(conn: Connection, level: int, cols: list[np.ndarray]) -> None:
+    """Insert the packs of `cols` (one row per series, rank, bucket and incarnation, in any order) at
+    `level`: one pack per (series, bucket, incarnation). The range's old packs must be deleted first."""
+    sid, rank, bucket, inc = cols[:4]
+    if sid.size == 0:
+        return
+    order = np.lexsort((rank, inc, bucket, sid))
+    sid, rank, bucket, inc = sid[order], rank[order], bucket[order], inc[order]
+    figures = [c[order] for c in cols[4:]]
+    change = np.ones(sid.size, dtype=bool)
+    change[1:] = (sid[1:] != sid[:-1]) | (bucket[1:] != bucket[:-1]) | (inc[1:] != inc[:-1])
+    starts = np.flatnonzero(change).tolist()
+    ends = [*starts[1:], int(sid.size)]
+    rows = [
+        {
+            "series_id": int(sid[a]),
+            "level": level,
+            "bucket": int(bucket[a]),
+            "incarnation": int(inc[a]),
+            "ranks": b - a,
+            "data": encode(rank[a:b], [f[a:b] for f in figures]),
+        }
+        for a, b in zip(starts, ends, strict=True)
+    ]
+    for i in range(0, len(rows), _INSERT_ROWS):
+        conn.execute(insert(RankRollupPack), rows[i : i + _INSERT_ROWS])
+
+
+def remove(conn: Connection, ids: Sequence[int], level: int, lo: int, hi: int) -> None:
+    """Delete the packs of series `ids` at `level` for buckets lo..hi-1."""
+    p = RankRollupPack
+    for part in chunks(sorted(ids), chunk_size(conn, fixed=3)):
+        conn.execute(delete(p).where(p.series_id.in_(part), p.level == level, p.bucket >= lo, p.bucket < hi))
+
+
+def read(conn: Connection, ids: Sequence[int], level: int, first: int, last: int | None) -> list[np.ndarray]:
+    """The figures of series `ids` at `level` in buckets first..last (None: to the end), one row per
+    (series, rank, bucket, incarnation), sorted by that key."""
+    p = RankRollupPack
+    found: list[Any] = []
+    for part in chunks(sorted(ids), chunk_size(conn, fixed=3)):
+        q = select(p.series_id, p.bucket, p.incarnation, p.data).where(
+            p.series_id.in_(part), p.level == level, p.bucket >= first
+        )
+        if last is not None:
+            q = q.where(p.bucket <= last)
+        found += conn.execute(q).all()
+    return unpack(found)
+
+
+def unpack(found: Sequence[Any]) -> list[np.ndarray]:
+    """Rows of (series_id, bucket, incarnation, data) -> columns, one row per rank, sorted by
+    (series, rank, bucket, incarnation)."""
+    if not found:
+        return empty()
+    decoded = [decode(data) for *_, data in found]
+    sizes = [d[0].size for d in decoded]
+    keys = [
+        np.repeat(np.array([row[i] for row in found], dtype=np.int64), sizes) for i in range(3)
+    ]  # series, bucket, incarnation
+    rank = np.concatenate([d[0] for d in decoded])
+    figures = [np.concatenate([d[1][i] for d in decoded]) for i in range(len(FIGURES))]
+    cols = [keys[0], rank, keys[1], keys[2], *figures]
+    order = np.lexsort((cols[3], cols[2], cols[1], cols[0]))
+    return [c[order] for c in cols]

@@ -1,0 +1,158 @@
+"""The rank rollups' packed rows (runs/rank_packs.py): a pack gives back every rank's figures bit for bit,
+one row holds a bucket's ranks, and migration 0010 moves the rows of a database of the earlier layout
+into packs (and back, on a downgrade) without changing a figure."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import numpy as np
+import pytest
+from alembic import command
+from sqlalchemy import Connection, insert, inspect, text
+
+from stepwatch_server.runs import rank_packs
+from stepwatch_server.storage import codec, make_engine, upgrade
+from stepwatch_server.storage.migrate import alembic_config
+from stepwatch_server.storage.models import Run, Series
+
+
+def _bits(cols: list[np.ndarray]) -> list[list[int]]:
+    """Each column as the integers of its words: NaN and -0.0 compared bit for bit."""
+    return [c.astype(np.int64).tolist() if c.dtype.kind == "i" else c.view(np.uint64).tolist() for c in cols]
+
+
+def _figures(rng: np.random.Generator, size: int) -> list[np.ndarray]:
+    """n, total, lo, hi, nonfinite of `size` ranks: float32 extremes and float64 sums, some ranks with
+    no finite value (NaN extremes, zero sum), -0.0, subnormals and the largest doubles among them."""
+    n = rng.integers(0, 4096, size)
+    lo = rng.normal(0, 3, size).astype(np.float32).astype(np.float64)
+    hi = lo + np.abs(rng.normal(0, 1, size))  # float64: not float32-exact
+    total = rng.normal(0, 1e6, size)
+    total[: min(size, 3)] = [-0.0, 5e-324, 1.7976931348623157e308][: min(size, 3)]
+    empty = n == 0
+    lo[empty], hi[empty], total[empty] = np.nan, np.nan, 0.0
+    return [n, total, lo, hi, rng.integers(0, 3, size) * (rng.random(size) < 0.1)]
+
+
+def test_a_pack_gives_back_every_figure_bit_for_bit() -> None:
+    rng = np.random.default_rng(7)
+    for size in (1, 2, 257, 4096):
+        ranks = np.sort(rng.choice(20_000, size, replace=False))
+        figures = _figures(rng, size)
+        got_ranks, got = rank_packs.decode(rank_packs.encode(ranks, figures))
+        assert got_ranks.tolist() == ranks.tolist()
+        assert _bits(got) == _bits([figures[0].astype(np.int64), *figures[1:4], figures[4].astype(np.int64)])
+    with pytest.raises(codec.CorruptBlock):
+        rank_packs.decode(b"not a pack")
+    block = codec.Block(np.arange(3), np.arange(2), np.zeros((2, 3)), np.ones((2, 3), dtype=bool))
+    with pytest.raises(codec.CorruptBlock, match="2 rows, expected 5"):
+        rank_packs.decode(codec.encode(block))  # a value block, not a pack
+
+
+def test_packs_are_written_per_bucket_and_read_back_per_rank(database_url: str) -> None:
+    engine = make_engine(database_url)
+    try:
+        upgrade(engine)
+        with engine.begin() as conn:
+            sids = _two_series(conn)
+            cols = _rank_rows(sids)
+            rank_packs.write(conn, 3, cols)
+            rank_packs.write(conn, 4, rank_packs.combine(cols, 2))
+        with engine.connect() as conn:
+            packs = conn.execute(
+                text("SELECT level, count(*), sum(ranks) FROM rank_rollup_packs GROUP BY level")
+            )
+            per_level = {int(level): (int(count), int(ranks)) for level, count, ranks in packs}
+            buckets = {(s, b, i) for s, b, i in zip(*(cols[k].tolist() for k in (0, 2, 3)), strict=True)}
+            assert per_level[3] == (len(buckets), cols[0].size)  # a row per (series, bucket, incarnation)
+            assert _bits(rank_packs.read(conn, sids, 3, 0, None)) == _bits(rank_packs.combine(cols))
+            coarse = rank_packs.read(conn, sids, 4, 5, 5)  # bucket 5 of level 4: level 3's 10 and 11
+            inside = (cols[2] // 2) == 5
+            assert _bits(coarse) == _bits(rank_packs.combine([c[inside] for c in cols], 2))
+        with engine.begin() as conn:
+            rank_packs.remove(conn, sids[:1], 3, 0, 11)
+        with engine.connect() as conn:
+            left = rank_packs.read(conn, sids, 3, 0, None)
+            assert not ((left[0] == sids[0]) & (left[2] < 11)).any()
+            assert ((left[0] == sids[0]) & (left[2] == 11)).any() and (left[0] == sids[1]).sum() == (
+                cols[0] == sids[1]
+            ).sum()
+    finally:
+        engine.dispose()
+
+
+def test_the_migration_moves_rank_rollup_rows_into_packs_and_back(database_url: str) -> None:
+    """Rows of the earlier layout (0009), NULL extremes and a restart's second incarnation among them,
+    read back the same from the packs after the upgrade, and as the same rows after a downgrade."""
+    engine = make_engine(database_url)
+    columns = "series_id, rank, bucket, incarnation, n, total, lo, hi, nonfinite"
+    try:
+        upgrade(engine, "0009")
+        with engine.begin() as conn:
+            sids = _two_series(conn)
+            cols = _rank_rows(sids)
+            cols[5] = cols[5] + 0.0  # -0.0 -> 0.0: SQLite's REAL keeps no sign of zero
+            rows = [
+                dict(zip(columns.split(", "), row, strict=True)) | {"level": level}
+                for level in (0, 2)
+                for row in zip(*(c.tolist() for c in cols), strict=True)
+            ]
+            for row in rows:
+                row["lo"] = None if np.isnan(row["lo"]) else row["lo"]
+                row["hi"] = None if np.isnan(row["hi"]) else row["hi"]
+            conn.execute(
+                text(
+                    f"INSERT INTO rank_rollups (level, {columns}) VALUES (:level, :series_id, :rank, :bucket, "
+                    ":incarnation, :n, :total, :lo, :hi, :nonfinite)"
+                ),
+                rows,
+            )
+        upgrade(engine)
+        expected = _bits(rank_packs.combine(cols))  # sorted by (series, rank, bucket, incarnation)
+        with engine.connect() as conn:
+            assert "rank_rollups" not in inspect(conn).get_table_names()
+            for level in (0, 2):
+                assert _bits(rank_packs.read(conn, sids, level, 0, None)) == expected
+        with engine.connect() as conn:
+            cfg = alembic_config()
+            cfg.attributes["connection"] = conn
+            command.downgrade(cfg, "0009")
+            conn.commit()
+            got = conn.execute(
+                text(
+                    f"SELECT {columns} FROM rank_rollups WHERE level = 2 ORDER BY series_id, rank, bucket, incarnation"
+                )
+            ).all()
+        back = [
+            np.array([r[i] for r in got], dtype=np.float64 if i in (5, 6, 7) else np.int64) for i in range(9)
+        ]
+        assert _bits(back) == expected
+    finally:
+        engine.dispose()
+
+
+def _two_series(conn: Connection) -> list[int]:
+    now = dt.datetime.now(dt.UTC)
+    run_id = conn.execute(
+        insert(Run).values(name="packs", world_size=300, created_at=now, last_seen_at=now).returning(Run.id)
+    ).scalar_one()
+    return [
+        conn.execute(
+            insert(Series).values(run_id=run_id, stat="", name=name).returning(Series.id)
+        ).scalar_one()
+        for name in ("loss", "grad_norm")
+    ]
+
+
+def _rank_rows(sids: list[int]) -> list[np.ndarray]:
+    """Figures per (series, rank, bucket, incarnation), unsorted: 12 buckets of ranks 0..299 but rank 7
+    (it sent nothing), and a second incarnation of ranks 0..9 in bucket 11 (a restart)."""
+    rng = np.random.default_rng(3)
+    keys = [
+        (sid, rank, bucket, 1) for sid in sids for bucket in range(12) for rank in range(300) if rank != 7
+    ] + [(sid, rank, 11, 2) for sid in sids for rank in range(10)]
+    order = rng.permutation(len(keys))
+    key_cols = [np.array([keys[i][k] for i in order], dtype=np.int64) for k in range(4)]
+    figures = _figures(rng, len(keys))
+    return [*key_cols, figures[0].astype(np.int64), *figures[1:4], figures[4].astype(np.int64)]
