@@ -273,13 +273,11 @@ def apply_part(conn: Connection, r: Round, ids: list[int], skip: bool = False) -
     if lo < hi:  # none without a whole bucket
         rank_packs.remove(conn, ids, 0, lo, hi)
     compacted = None if skip else blocks.compacted_to(conn, r.run_id)
-    if skip:
-        pass
-    elif compacted is not None and min(r.from_step, bfirst) <= compacted:  # values in blocks: SQL cannot read
+    if compacted is not None and min(r.from_step, bfirst) <= compacted:  # values in blocks: SQL cannot read
         first, last = min(r.from_step, bfirst), max(r.last_step, blast)
         cols = read_values(conn, ids, None, first, last, ranks=r.ranks)
         _insert_from_values(conn, cols, (bfirst, blast), (r.from_step, r.last_step))
-    else:
+    elif not skip:
         conn.execute(_STEP_INSERT[ranked], params)
         if lo < hi:
             rank_packs.write(conn, 0, fetch_columns(conn, _LEVEL0[ranked], ROLLUP_INTEGERS, params))
