@@ -52,6 +52,15 @@ def decode(data: bytes) -> tuple[np.ndarray, list[np.ndarray]]:
     return block.steps, [n.astype(np.int64), total, lo, hi, nonfinite.astype(np.int64)]
 
 
+def group_starts(keys: Sequence[np.ndarray]) -> np.ndarray:
+    """The indices where a group begins in rows sorted by the key columns `keys` (non-empty)."""
+    change = np.zeros(keys[0].size, dtype=bool)
+    change[0] = True
+    for k in keys:
+        change[1:] |= k[1:] != k[:-1]
+    return np.flatnonzero(change)
+
+
 def empty() -> list[np.ndarray]:
     return [np.zeros(0, dtype=np.int64 if i in INTEGERS else np.float64) for i in range(len(COLUMNS))]
 
@@ -64,11 +73,7 @@ def combine(cols: list[np.ndarray], factor: int = 1) -> list[np.ndarray]:
         return empty()
     order = np.lexsort((inc, bucket, rank, sid))
     keys = [k[order] for k in (sid, rank, bucket, inc)]
-    change = np.zeros(sid.size, dtype=bool)
-    change[0] = True
-    for k in keys:
-        change[1:] |= k[1:] != k[:-1]
-    starts = np.flatnonzero(change)
+    starts = group_starts(keys)
     n, total, lo, hi, bad = (c[order] for c in cols[4:])
     with np.errstate(invalid="ignore"):
         return [
@@ -90,9 +95,7 @@ def write(conn: Connection, level: int, cols: list[np.ndarray]) -> None:
     order = np.lexsort((rank, inc, bucket, sid))
     sid, rank, bucket, inc = sid[order], rank[order], bucket[order], inc[order]
     figures = [c[order] for c in cols[4:]]
-    change = np.ones(sid.size, dtype=bool)
-    change[1:] = (sid[1:] != sid[:-1]) | (bucket[1:] != bucket[:-1]) | (inc[1:] != inc[:-1])
-    starts = np.flatnonzero(change).tolist()
+    starts = group_starts([sid, bucket, inc]).tolist()
     ends = [*starts[1:], int(sid.size)]
     rows = [
         {

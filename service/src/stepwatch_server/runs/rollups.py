@@ -412,11 +412,7 @@ def aggregate(keys: Sequence[np.ndarray], values: np.ndarray) -> tuple[list[np.n
     order = np.lexsort(tuple(reversed(keys)))
     sorted_keys = [k[order] for k in keys]
     v = values[order]
-    change = np.zeros(v.shape[0], dtype=bool)
-    change[0] = True
-    for k in sorted_keys:
-        change[1:] |= k[1:] != k[:-1]
-    starts = np.flatnonzero(change)
+    starts = rank_packs.group_starts(sorted_keys)
     with np.errstate(invalid="ignore"):
         finite = np.abs(v) < FINITE_BELOW  # as `_FINITE` in SQL
     n = np.add.reduceat(finite.astype(np.int64), starts)
