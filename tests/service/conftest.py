@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import datetime as dt
 import json
 import threading
 import uuid
@@ -18,13 +19,13 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import Engine, create_engine, func, select, text
+from sqlalchemy import Connection, Engine, create_engine, func, insert, select, text
 
 from stepwatch_server.ingest.example import EXAMPLE_BATCH
 from stepwatch_server.serving import BackgroundServer
 from stepwatch_server.settings import Settings
 from stepwatch_server.storage import make_engine, upgrade
-from stepwatch_server.storage.models import ALL_TABLES
+from stepwatch_server.storage.models import ALL_TABLES, Run, Series
 from tests.conftest import POSTGRES_URL, port_open, require, require_module
 
 BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
@@ -217,3 +218,17 @@ def steps_batch(
         "timestamps": [1_764_427_200.0 + s for s in steps],
         "metrics": metrics,
     }
+
+
+def two_series(conn: Connection) -> list[int]:
+    """A run of 300 ranks with two series, "loss" and "grad_norm": their ids."""
+    now = dt.datetime.now(dt.UTC)
+    run_id = conn.execute(
+        insert(Run).values(name="packs", world_size=300, created_at=now, last_seen_at=now).returning(Run.id)
+    ).scalar_one()
+    return [
+        conn.execute(
+            insert(Series).values(run_id=run_id, stat="", name=name).returning(Series.id)
+        ).scalar_one()
+        for name in ("loss", "grad_norm")
+    ]

@@ -35,6 +35,8 @@ from stepwatch_server.storage.models import (
     Run,
     Series,
     StepRecord,
+    StepRollup,
+    StepRollupPack,
     ValueBlock,
 )
 from tests.service.conftest import Collector
@@ -157,6 +159,11 @@ def _views(collector: Collector) -> dict[str, Any]:
     }
     out["tensors"] = collector.get("/api/v1/runs/compact/tensors", stat="amax", **big)
     out["amax"] = collector.get("/api/v1/runs/compact/amax", **big)
+    for m in ("loss", "time.step_ms"):  # groups of steps (their lowest and highest means), not one a step
+        out[f"series mean {m} grouped"] = collector.get(
+            "/api/v1/runs/compact/series", metric=m, rank="mean", max_points=40
+        )
+    out["amax grouped"] = collector.get("/api/v1/runs/compact/amax", max_points=40)
     for metric, mode in (("loss", "absolute"), ("time.step_ms", "median")):
         out[f"heatmap {metric}"] = collector.get(
             "/api/v1/runs/compact/heatmap", metric=metric, mode=mode, buckets=40
@@ -205,6 +212,12 @@ def test_compacted_values_read_back_bit_for_bit_in_every_view(
         )
     assert moved == in_blocks == rows_before - _count(engine, Point)
     assert blocks == 2  # one block per rank and 256-step bucket (one incarnation each there)
+    with engine.connect() as conn:  # the step rollups of the compacted bucket: one pack per series
+        packs = conn.execute(select(StepRollupPack.series_id, StepRollupPack.bucket)).all()
+        rows_left = conn.execute(select(func.count()).where(StepRollup.step <= COMPACTED_TO)).scalar_one()
+        series = conn.execute(select(func.count()).select_from(Series)).scalar_one()
+    assert rows_left == 0 and sorted(b for _, b in packs) == [0] * series
+    assert worker.stats()["step_packs_written"] == series
     assert worker.compact_once() == 0  # nothing more is far enough behind
 
     _same(raw_before, _raw(engine))
@@ -251,12 +264,42 @@ def test_a_late_value_for_a_compacted_step_is_read_with_its_block_and_rolled_up(
     mean = collector.get("/api/v1/runs/compact/series", metric="time.step_ms", rank="mean", max_points=10_000)
     steps = mean["series"][0]["steps"]
     assert 10 in steps  # the step rollups hold the late steps, with both ranks' values
+    with engine.connect() as conn:  # bucket 0's packs turned back into rows for the late steps' round
+        assert conn.execute(select(func.count()).select_from(StepRollupPack)).scalar_one() == 0
+        assert conn.execute(select(func.count()).where(StepRollup.step <= COMPACTED_TO)).scalar_one() > 0
     assert mean["series"][0]["values"][steps.index(15)] == pytest.approx(100.0 + 0.015 + 0.5)
 
     # A second compaction leaves the late rows alone (their step is behind the horizon) and reads stay whole.
     before = _raw(engine)
     CompactionWorker(engine, after_steps=AFTER).compact_once()
     _same(before, _raw(engine))
+
+
+def test_a_restart_inside_compacted_buckets_reads_the_same_from_the_packs(
+    start_collector: Callable[..., Collector], engine: Engine
+) -> None:
+    """Steps 100..130 sent again by rank 0's second incarnation, then steps 0..511 compacted: their step
+    rollups are packed per incarnation, and every view (the curves' groups holding the restart are
+    recomputed from the values) reads as before."""
+    collector = start_collector(compact_after_steps=0)
+    for rank in (0, 1):
+        for start in range(0, 600, 50):
+            answer = collector.post(_batch(rank, range(start, start + 50), f"packed-{rank}", start))
+            assert answer.status_code == 200, answer.text
+    assert collector.post(_batch(0, range(100, 131), "packed-0-again", 0, incarnation=2)).status_code == 200
+    _rolled_up(engine, 599)
+    before = _views(collector)
+    worker = CompactionWorker(engine, after_steps=0)
+    worker.compact_once()
+    with engine.connect() as conn:
+        compacted_to = conn.execute(select(Run.compacted_to).where(Run.name == "compact")).scalar_one()
+        incarnations = conn.execute(
+            select(StepRollupPack.incarnation).where(StepRollupPack.bucket == 0).distinct()
+        ).scalars()
+        assert sorted(incarnations) == [1, 2]
+        assert conn.execute(select(func.count()).where(StepRollup.step <= 511)).scalar_one() == 0
+    assert compacted_to == 511 and worker.stats()["step_packs_written"] > 0
+    assert _views(collector) == before
 
 
 def test_expiry_and_deletion_remove_the_blocks(

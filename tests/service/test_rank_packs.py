@@ -4,18 +4,17 @@ into packs (and back, on a downgrade) without changing a figure."""
 
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Callable
 
 import numpy as np
 import pytest
 from alembic import command
-from sqlalchemy import Connection, insert, inspect, text
+from sqlalchemy import inspect, text
 
 from stepwatch_server.runs import rank_packs
 from stepwatch_server.storage import codec, make_engine, upgrade
 from stepwatch_server.storage.migrate import alembic_config
-from stepwatch_server.storage.models import Run, Series
+from tests.service.conftest import two_series
 
 
 def _bits(cols: list[np.ndarray]) -> list[list[int]]:
@@ -56,7 +55,7 @@ def test_packs_are_written_per_bucket_and_read_back_per_rank(database_url: str) 
     try:
         upgrade(engine)
         with engine.begin() as conn:
-            sids = _two_series(conn)
+            sids = two_series(conn)
             cols = _rank_rows(sids)
             rank_packs.write(conn, 3, cols)
             rank_packs.write(conn, 4, rank_packs.combine(cols, 2))
@@ -90,7 +89,7 @@ def test_the_migration_moves_rank_rollup_rows_into_packs_and_back(database_url: 
     try:
         upgrade(engine, "0009")
         with engine.begin() as conn:
-            sids = _two_series(conn)
+            sids = two_series(conn)
             cols = _rank_rows(sids)
             cols[5] = cols[5] + 0.0  # -0.0 -> 0.0: SQLite's REAL keeps no sign of zero
             rows = [
@@ -130,19 +129,6 @@ def test_the_migration_moves_rank_rollup_rows_into_packs_and_back(database_url: 
         assert _bits(back) == expected
     finally:
         engine.dispose()
-
-
-def _two_series(conn: Connection) -> list[int]:
-    now = dt.datetime.now(dt.UTC)
-    run_id = conn.execute(
-        insert(Run).values(name="packs", world_size=300, created_at=now, last_seen_at=now).returning(Run.id)
-    ).scalar_one()
-    return [
-        conn.execute(
-            insert(Series).values(run_id=run_id, stat="", name=name).returning(Series.id)
-        ).scalar_one()
-        for name in ("loss", "grad_norm")
-    ]
 
 
 def _rank_rows(sids: list[int]) -> list[np.ndarray]:

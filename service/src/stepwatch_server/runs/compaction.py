@@ -9,7 +9,8 @@ the watermark) and Grafana's PostgreSQL panels keep reading rows. Each transacti
 `max_values` values (a window of buckets, or of ranks within one bucket; one rank's block at least):
 it reads the rows, writes their blocks (merged with a block already there: a late value re-sent after
 an interrupted pass), deletes the rows and raises the run's `compacted_to`, the highest step a block
-may hold (what reads and roll-ups look at before reading blocks). Reads are whole between any two
+may hold (what reads and roll-ups look at before reading blocks); the transaction that finishes a bucket for
+every rank also moves its step rollups into packs (runs/step_packs.py). Reads are whole between any two
 transactions, and ingest's writes get SQLite's lock between them (BACKLOG_PAUSE_S). A worker that
 starts (or did not finish a bucket for every rank) begins again at the bucket holding `compacted_to`,
 whose rows some ranks may still hold.
@@ -28,6 +29,7 @@ from sqlalchemy import Connection, Engine, bindparam, delete, func, insert, sele
 from sqlalchemy.sql.elements import ColumnElement
 
 from stepwatch_server.background import BackgroundWorker
+from stepwatch_server.runs import step_packs
 from stepwatch_server.runs.deletion import DELETE_CHUNK_ROWS
 from stepwatch_server.runs.queries import fetch_chunked
 from stepwatch_server.runs.rollup_worker import BACKLOG_PAUSE_S
@@ -85,6 +87,7 @@ class CompactionWorker(BackgroundWorker):
         self.max_values = max_values
         self.values_moved = 0
         self.blocks_written = 0
+        self.step_packs_written = 0
         self._finished: dict[int, int] = {}  # run id -> the last bucket moved for every rank by this worker
 
     def _run(self) -> None:
@@ -191,6 +194,10 @@ class CompactionWorker(BackgroundWorker):
                     self.blocks_written += len(new)
                 if (blocks.compacted_to(conn, due.run_id) or -1) < hi:  # reads look for blocks up to here
                     conn.execute(update(Run).where(Run.id == due.run_id).values(compacted_to=hi))
+            if finishes:  # every rank's values of these buckets are in blocks: their step rollups go to packs
+                packed = step_packs.pack(conn, due.ids, lo, hi)
+                with self._lock:
+                    self.step_packs_written += packed
         if finishes:
             with self._lock:
                 self._finished[due.run_id] = last
@@ -203,6 +210,7 @@ class CompactionWorker(BackgroundWorker):
             return {
                 "values_moved": self.values_moved,
                 "blocks_written": self.blocks_written,
+                "step_packs_written": self.step_packs_written,
                 "errors": self.errors,
             }
 

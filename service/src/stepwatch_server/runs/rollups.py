@@ -10,7 +10,8 @@ recomputes the dirty ranges from the raw points, in one short transaction per gr
   ranks) and the amax (max over ranks) need, one DELETE and one INSERT ... SELECT ... GROUP BY. A
   view groups these rows in SQL into at most about `max_points / 2` groups and keeps each group's
   lowest and highest per-step mean (and highest maximum), so a one-step spike survives; 100k steps
-  are 100k rows, read by the database, not by Python.
+  are 100k rows, read by the database, not by Python. Compaction moves the rows of compacted steps
+  into one pack per series and 256 steps (runs/step_packs.py), which reads group with numpy.
 - the rank rollups, per (series, level, rank, bucket, incarnation), for the heatmaps (ranks x steps),
   stored as one row per (series, level, bucket, incarnation) holding every rank's figures
   (`rank_rollup_packs`, runs/rank_packs.py: a row per rank took more room than the compacted values).
@@ -49,7 +50,8 @@ series at once and in these views after the worker's next round.
 Compacted values (runs/compaction.py) live in `blocks`, which SQL cannot read. Compaction only takes
 steps the rollups already hold, so a round reaches them only for a value that arrived late for a
 compacted step: such a round (`apply_part`, which looks at the run's `compacted_to` under the lock
-compaction takes) aggregates the bucket's rows and blocks with numpy (`_insert_from_values`) instead.
+compaction takes) aggregates the bucket's rows and blocks with numpy (`_insert_from_values`) instead,
+after turning the step rollup packs of its steps back into rows (`step_packs.unpack`).
 
 Every statement that names a run's series takes them in chunks (storage/chunks.py), so that no
 statement binds more parameters than a driver allows (psycopg: 65,535), however many series a run has.
@@ -67,15 +69,15 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Connection, bindparam, func, insert, select, text
 
-from stepwatch_server.runs import rank_packs
+from stepwatch_server.runs import rank_packs, step_packs
 from stepwatch_server.runs.queries import fetch_columns, read_points, read_values
+from stepwatch_server.runs.step_packs import ALL_RANKS
 from stepwatch_server.storage import blocks
 from stepwatch_server.storage.chunks import chunk_size, chunks
 from stepwatch_server.storage.models import AgentSession, RollupMark, Run, Series, StepRollup
 
 BUCKET_STEPS = 64  # a level-0 rank rollup's bucket; level k's is BUCKET_STEPS << k steps wide
 LEVELS = 13  # levels 0..12: buckets of 64 .. 262,144 steps, each twice as wide as the one below
-ALL_RANKS = -1  # the rank of a step rollup (over every rank) where one key shape serves both
 
 NO_LIMIT = 2**62
 MAX_RANK_LIST = 4096  # ranks named in a range query (so the primary key is used); above, all are read
@@ -261,7 +263,8 @@ def apply_part(conn: Connection, r: Round, ids: list[int], skip: bool = False) -
     level 0 of the rank rollups (their figures per rank grouped by the database, packed here:
     runs/rank_packs.py) of the round's ranges, aggregated with numpy where the range holds compacted
     values (module docstring), then the coarser levels' whole buckets from the level below
-    (`_roll_levels`). `skip`: delete the round's step rollups and level-0 packs and write none. Each
+    (`_roll_levels`). Packed step rollups of compacted steps in the round's range become rows again first
+    (runs/step_packs.py). `skip`: delete the round's step rollups and level-0 packs and write none. Each
     series' rollups change in one transaction: a reader sees a series' old rollups or its new ones."""
     lo, hi = r.level0
     bfirst, blast = lo * BUCKET_STEPS, hi * BUCKET_STEPS - 1
@@ -269,11 +272,14 @@ def apply_part(conn: Connection, r: Round, ids: list[int], skip: bool = False) -
         {"ids": ids, "first": r.from_step, "last": r.last_step, "bfirst": bfirst, "blast": blast}, r.ranks
     )
     blocks.lock_run(conn, r.run_id)
+    compacted = blocks.compacted_to(conn, r.run_id)
+    if compacted is not None and r.from_step <= compacted:  # compacted steps' rollups may be packed
+        step_packs.unpack(conn, ids, r.from_step, r.last_step)
     conn.execute(_STEP_DELETE, params)
     if lo < hi:  # none without a whole bucket
         rank_packs.remove(conn, ids, 0, lo, hi)
-    compacted = None if skip else blocks.compacted_to(conn, r.run_id)
-    if compacted is not None and min(r.from_step, bfirst) <= compacted:  # values in blocks: SQL cannot read
+    in_blocks = compacted is not None and min(r.from_step, bfirst) <= compacted  # values SQL cannot read
+    if not skip and in_blocks:
         first, last = min(r.from_step, bfirst), max(r.last_step, blast)
         cols = read_values(conn, ids, None, first, last, ranks=r.ranks)
         _insert_from_values(conn, cols, (bfirst, blast), (r.from_step, r.last_step))

@@ -1,5 +1,6 @@
-"""Reads of the per-step rollups (`step_rollups`, kept by runs/rollups.py): each step's figures over
-every rank, and the curves grouped into at most `max_points / 2` groups that keep their extremes."""
+"""Reads of the per-step rollups (`step_rollups`, kept by runs/rollups.py, and the packs compaction moves
+the rows of compacted steps into, runs/step_packs.py): each step's figures over every rank, and the curves
+grouped into at most `max_points / 2` groups that keep their extremes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Connection, literal, select
 
+from stepwatch_server.runs import rank_packs, step_packs
 from stepwatch_server.runs.queries import fetch_chunked
 from stepwatch_server.runs.rollups import (
     ALL_RANKS,
@@ -34,7 +36,7 @@ from stepwatch_server.storage.models import StepRollup
 
 def read_steps(conn: Connection, ids: list[int], from_step: int | None, to_step: int | None) -> Buckets:
     """Per (series, step) over every rank (`bucket` holds the step): the step rollups up to the
-    watermark, the raw points' aggregation above it."""
+    watermark (rows, and the packs of compacted steps), the raw points' aggregation above it."""
     if not ids:
         return empty()
     cut = rolled_to(conn, ids) + 1
@@ -51,6 +53,12 @@ def read_steps(conn: Connection, ids: list[int], from_step: int | None, to_step:
         return q.order_by(r.series_id, r.step, r.incarnation)
 
     cols = fetch_chunked(conn, ids, query, ROLLUP_INTEGERS, fixed=4)
+    packed = step_packs.read(
+        conn, ids, from_step or 0, min(NO_LIMIT if to_step is None else to_step, cut - 1)
+    )
+    if packed[0].size:  # compacted steps: a step is in a row or in a pack
+        joined = [np.concatenate([a, b]) for a, b in zip(cols, packed, strict=True)]
+        cols = [c[np.lexsort((joined[3], joined[2], joined[0]))] for c in joined]
     rolled = resolve(cols, lambda sid, step: from_points(conn, [sid], step, step, True, 1))
     tail_first = max(cut, from_step or 0)
     if to_step is not None and tail_first > to_step:
@@ -117,13 +125,13 @@ def step_range(
     conn: Connection, ids: list[int], from_step: int | None, to_step: int | None
 ) -> tuple[int, int, int] | None:
     """(first step, last step, number of raw values) stored for `ids` in the range, None if none:
-    from the step rollups up to the watermark, from the raw points above it."""
+    from the step rollups up to the watermark (rows and packs), from the raw points above it."""
     if not ids:
         return None
     mark = rolled_to(conn, ids)
     first, last = from_step or 0, NO_LIMIT if to_step is None else to_step
     ranks = run_ranks(conn, run_ids_of(conn, ids)) if last > mark else None
-    found = []
+    found: list[Any] = []
     for part in chunks(ids, chunk_size(conn, fixed=len(ranks or ()) + 4)):
         params = {"ids": list(part), "first": first, "last": min(last, mark)}
         found.append(conn.execute(_RANGE_QUERY, params).one())
@@ -131,6 +139,9 @@ def step_range(
             ranked, params = ranked_params({**params, "first": max(first, mark + 1), "last": last}, ranks)
             found.append(conn.execute(_RAW_RANGE[ranked], params).one())
     found = [f for f in found if f[0] is not None]
+    packed = step_packs.extent(conn, ids, first, min(last, mark)) if mark >= first else None
+    if packed is not None:
+        found.append(packed)
     if not found:
         return None
     return min(int(f[0]) for f in found), max(int(f[1]) for f in found), sum(int(f[2]) for f in found)
@@ -139,9 +150,10 @@ def step_range(
 def across_ranks(
     conn: Connection, ids: list[int], from_step: int | None, to_step: int | None, max_points: int
 ) -> Groups:
-    """The step rollups of `ids` grouped in SQL into at most max_points / 2 groups per series (one
-    step per group when the range has at most max_points steps). Groups that reach above the
-    watermark, or hold a restart, are grouped from the exact per-step figures (`read_steps`)."""
+    """The step rollups of `ids` grouped into at most max_points / 2 groups per series (one step per
+    group when the range has at most max_points steps): the rows in SQL, the packed steps with numpy.
+    Groups that reach above the watermark, or hold a restart, are grouped from the exact per-step figures
+    (`read_steps`)."""
     found = step_range(conn, ids, from_step, to_step) if ids else None
     if found is None:
         empty_i, empty_f = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64)
@@ -155,13 +167,23 @@ def across_ranks(
     for part in chunks(ids, chunk_size(conn, fixed=4)) if mark >= first else ():
         params = {"ids": list(part), "first": first, "last": min(last, mark), "per": per}
         rows += conn.execute(_GROUPS_QUERY, params).all()
-    parts: list[tuple[np.ndarray, ...]] = []
+    grouped: list[tuple[np.ndarray, ...]] = []
     if rows:
         cols = list(zip(*rows, strict=True))
-        sid, group = np.array(cols[0], dtype=np.int64), np.array(cols[1], dtype=np.int64)
-        floats = [np.array(c, dtype=np.float64) for c in cols[2:5]]  # None -> nan
-        nonfinite = np.array(cols[5], dtype=np.int64)
-        mixed = np.array(cols[6], dtype=np.int64) != np.array(cols[7], dtype=np.int64)
+        grouped.append(
+            tuple(np.array(c, dtype=np.float64 if 2 <= i <= 4 else np.int64) for i, c in enumerate(cols))
+        )  # float columns: None -> nan
+    packed = step_packs.read(conn, ids, first, min(last, mark)) if mark >= first else rank_packs.empty()
+    if packed[0].size:  # compacted steps, grouped here as the query groups the rows
+        with np.errstate(invalid="ignore", divide="ignore"):
+            means = np.where(packed[4] > 0, packed[5] / np.maximum(packed[4], 1), np.nan)
+        group = (packed[2] - first) // per
+        grouped.append((packed[0], group, means, means, packed[7], packed[8], packed[3], packed[3]))
+    parts: list[tuple[np.ndarray, ...]] = []
+    if grouped:
+        sid, group, low, high, peak, nonfinite, inc_lo, inc_hi = _regroup(grouped)
+        floats = [low, high, peak]
+        mixed = inc_lo != inc_hi
         if tail_group is not None:
             mixed |= group >= tail_group
         keep = np.flatnonzero(~mixed)
@@ -181,6 +203,26 @@ def across_ranks(
     joined = [np.concatenate([p[i] for p in parts]) for i in range(6)]
     order = np.lexsort((joined[1], joined[0]))
     return Groups(first, per, *(c[order] for c in joined))
+
+
+def _regroup(parts: list[tuple[np.ndarray, ...]]) -> list[np.ndarray]:
+    """Groups (series, group, lowest mean, highest mean, highest value, non-finite count, lowest and
+    highest incarnation), some given more than once (from rows and from packs, or per step), as one row per
+    (series, group): the lowest of the lowest, the highest of the highest, counts added (NaN: none)."""
+    cols = [np.concatenate([p[i] for p in parts]) for i in range(8)]
+    order = np.lexsort((cols[1], cols[0]))
+    cols = [c[order] for c in cols]
+    starts = rank_packs.group_starts(cols[:2])
+    return [
+        cols[0][starts],
+        cols[1][starts],
+        np.fmin.reduceat(cols[2], starts),
+        np.fmax.reduceat(cols[3], starts),
+        np.fmax.reduceat(cols[4], starts),
+        np.add.reduceat(cols[5], starts),
+        np.minimum.reduceat(cols[6], starts),
+        np.maximum.reduceat(cols[7], starts),
+    ]
 
 
 def _group_steps(exact: Buckets, first: int, per: int) -> tuple[np.ndarray, ...]:

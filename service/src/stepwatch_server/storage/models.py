@@ -229,6 +229,26 @@ class StepRollup(RollupStats, Base):
     incarnation: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
 
 
+class StepRollupPack(Base):
+    """The step rollups of one series and incarnation over one compacted bucket of BLOCK_STEPS (256) steps, in
+    one row (`data`: runs/step_packs.py): compaction moves `step_rollups` rows here with the values. A row per
+    step took ~50 bytes on SQLite and ~125 on PostgreSQL. `first_step`, `last_step` and `n_values` (the values
+    it sums, finite or not) let a range's extent be counted without decoding. Rowids on SQLite, as
+    `rank_rollup_packs` (a pack is ~3 KB)."""
+
+    __tablename__ = "step_rollup_packs"
+
+    series_id: Mapped[int] = mapped_column(
+        ForeignKey("series.id", ondelete="CASCADE"), primary_key=True, autoincrement=False
+    )
+    bucket: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    incarnation: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    first_step: Mapped[int] = mapped_column(BigInteger)
+    last_step: Mapped[int] = mapped_column(BigInteger)
+    n_values: Mapped[int] = mapped_column(BigInteger)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
 class RollupMark(Base):
     """Per run: the highest step whose values the rollups hold (runs/rollup_worker.py). Reads take
     rollups up to it and the raw points above it."""
