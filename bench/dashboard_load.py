@@ -341,8 +341,8 @@ def compact(url: str) -> dict[str, Any]:
     }
 
 
-_TABLES = (
-    "points, blocks, rank_rollup_packs, step_rollups, steps, series, runs, ranks"  # this run's, in its schema
+_TABLES = (  # this run's, in its schema
+    "points, blocks, rank_rollup_packs, step_rollups, step_rollup_packs, steps, series, runs, ranks"
 )
 
 

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from stepwatch_server.storage.codec import Block, CorruptBlock, decode, encode
+from stepwatch_server.storage.codec import Block, CorruptBlock, decode, decode_many, encode
 from tests.conftest import require_module
 from tests.service.conftest import generated
 
@@ -81,6 +81,18 @@ def blocks(draw: st.DrawFn) -> Block:
 @hypothesis.given(block=blocks())
 def test_every_present_value_comes_back_bit_for_bit(block: Block) -> None:
     _assert_same(block, decode(encode(block)))
+
+
+@generated(100)
+@hypothesis.given(many=st.lists(blocks(), max_size=6))
+def test_blocks_decoded_together_come_back_as_each_alone(many: list[Block]) -> None:
+    """`decode_many` undoes the rows' transforms of all its blocks at once: each block back bit for bit."""
+    back = decode_many([encode(block) for block in many])
+    assert len(back) == len(many)
+    for block, got in zip(many, back, strict=True):
+        _assert_same(block, got)
+    with pytest.raises(CorruptBlock):
+        decode_many([encode(block) for block in many] + [b"not a block"])
 
 
 def test_the_special_values_in_rows_of_each_width_come_back() -> None:

@@ -250,4 +250,4 @@ def _held(conn: Connection, run_id: int, ranks: list[int], first: int, last: int
             ValueBlock.bucket <= last,
         )
     ).all()
-    return blocks.join([blocks.decode_row(int(r), int(i), bytes(d)) for r, i, d in found])
+    return blocks.join(blocks.decode_rows(found))

@@ -45,11 +45,20 @@ def encode(rank: np.ndarray, figures: Sequence[np.ndarray]) -> bytes:
 
 def decode(data: bytes) -> tuple[np.ndarray, list[np.ndarray]]:
     """(ranks, the five figure columns) of a pack; codec.CorruptBlock when `data` is not one."""
-    block = codec.decode(data)
-    if block.values.shape[0] != len(FIGURES) or not block.present.all():
-        raise codec.CorruptBlock(f"rank rollup pack: {block.values.shape[0]} rows, expected {len(FIGURES)}")
-    n, total, lo, hi, nonfinite = block.values
-    return block.steps, [n.astype(np.int64), total, lo, hi, nonfinite.astype(np.int64)]
+    return decode_many([data])[0]
+
+
+def decode_many(datas: Sequence[bytes]) -> list[tuple[np.ndarray, list[np.ndarray]]]:
+    """`decode` of each of `datas`, decoded together (codec.decode_many)."""
+    out = []
+    for block in codec.decode_many(datas):
+        if block.values.shape[0] != len(FIGURES) or not block.present.all():
+            raise codec.CorruptBlock(
+                f"rank rollup pack: {block.values.shape[0]} rows, expected {len(FIGURES)}"
+            )
+        n, total, lo, hi, nonfinite = block.values
+        out.append((block.steps, [n.astype(np.int64), total, lo, hi, nonfinite.astype(np.int64)]))
+    return out
 
 
 def group_starts(keys: Sequence[np.ndarray]) -> np.ndarray:
@@ -139,7 +148,7 @@ def unpack(found: Sequence[Any]) -> list[np.ndarray]:
     (series, rank, bucket, incarnation)."""
     if not found:
         return empty()
-    decoded = [decode(data) for *_, data in found]
+    decoded = decode_many([bytes(data) for *_, data in found])
     sizes = [d[0].size for d in decoded]
     keys = [
         np.repeat(np.array([row[i] for row in found], dtype=np.int64), sizes) for i in range(3)

@@ -140,7 +140,7 @@ def _read_packs(conn: Connection, ids: Sequence[int], where: list[Any], params: 
         ).all()
     if not found:
         return rank_packs.empty()
-    decoded = [rank_packs.decode(bytes(data)) for *_, data in found]
+    decoded = rank_packs.decode_many([bytes(data) for *_, data in found])
     sizes = [steps.size for steps, _ in decoded]
     sid = np.repeat(np.array([row[0] for row in found], dtype=np.int64), sizes)
     inc = np.repeat(np.array([row[1] for row in found], dtype=np.int64), sizes)

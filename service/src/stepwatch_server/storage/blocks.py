@@ -18,7 +18,7 @@ import numpy as np
 from sqlalchemy import Connection, bindparam, func, select, text
 
 from stepwatch_server.storage.chunks import chunk_size, chunks
-from stepwatch_server.storage.codec import Block, decode, encode
+from stepwatch_server.storage.codec import Block, decode_many, encode
 from stepwatch_server.storage.models import Run, ValueBlock
 
 # A block's bucket of steps. Wide enough that SQLite's overflow pages (a row over ~1 KB spills into 4 KiB
@@ -96,16 +96,27 @@ def encode_rows(cols: Columns) -> list[dict[str, Any]]:
 
 def decode_row(rank: int, incarnation: int, data: bytes) -> Columns:
     """A block row's values as columns, series by series in step order."""
-    block = decode(data)
-    m, n = block.present.shape
-    keep = block.present.ravel()
-    return [
-        np.repeat(block.series, n)[keep],
-        np.full(int(keep.sum()), rank, dtype=np.int64),
-        np.tile(block.steps, m)[keep],
-        np.full(int(keep.sum()), incarnation, dtype=np.int64),
-        block.values.ravel()[keep],
-    ]
+    return decode_rows([(rank, incarnation, data)])[0]
+
+
+def decode_rows(found: Sequence[tuple[Any, Any, Any]]) -> list[Columns]:
+    """Block rows (rank, incarnation, data) as columns each (`decode_row`), decoded together
+    (codec.decode_many)."""
+    out = []
+    for (rank, incarnation, _), block in zip(found, decode_many([bytes(d) for *_, d in found]), strict=True):
+        m, n = block.present.shape
+        keep = block.present.ravel()
+        count = int(keep.sum())
+        out.append(
+            [
+                np.repeat(block.series, n)[keep],
+                np.full(count, int(rank), dtype=np.int64),
+                np.tile(block.steps, m)[keep],
+                np.full(count, int(incarnation), dtype=np.int64),
+                block.values.ravel()[keep],
+            ]
+        )
+    return out
 
 
 _COMPACTED = text(
@@ -191,8 +202,7 @@ def _run_columns(
     elif ranks is not None:
         q = q.where(ValueBlock.rank.in_(list(ranks)))
     parts = []
-    for block_rank, incarnation, data in conn.execute(q):
-        cols = decode_row(int(block_rank), int(incarnation), bytes(data))
+    for cols in decode_rows(conn.execute(q).all()):
         keep = np.isin(cols[0], wanted)
         if first is not None:
             keep &= cols[2] >= first

@@ -31,6 +31,7 @@ raises `CorruptBlock` naming what is wrong.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,11 +97,21 @@ def _varints(x: np.ndarray) -> bytes:
     return out.tobytes()
 
 
+_FEW_VARINTS = 16  # up to this many varints are read by a Python loop, cheaper than numpy's calls for so few
+_U64_MASK = (1 << 64) - 1
+
+
 def _read_varints(buf: np.ndarray, pos: int, count: int) -> tuple[np.ndarray, int]:
     """`count` varints from `buf` (uint8) at `pos`: (values as uint64, the position after them)."""
-    if count == 0:
-        return np.zeros(0, dtype=_U64), pos
-    tail = buf[pos:]
+    if count <= _FEW_VARINTS:
+        return _read_few_varints(buf, pos, count)
+    # The common case, checked in two calls: the first varint of any length, each other one a byte (the
+    # gaps of consecutive steps or ranks).
+    first, at = _read_few_varints(buf, pos, 1)
+    rest = buf[at : at + count - 1]
+    if rest.size == count - 1 and rest.max() < 0x80:
+        return np.concatenate([first, rest.astype(_U64)]), at + count - 1
+    tail = buf[pos : pos + 10 * count]
     last = np.flatnonzero(tail < 0x80)  # a varint's last byte has the high bit clear
     if last.size < count:
         raise CorruptBlock(f"block: {count} varints expected, {last.size} found")
@@ -114,6 +125,28 @@ def _read_varints(buf: np.ndarray, pos: int, count: int) -> tuple[np.ndarray, in
         has = lengths > k
         out[has] |= (tail[starts[has] + k].astype(_U64) & _U64(0x7F)) << _U64(7 * k)
     return out, pos + int(ends[-1])
+
+
+def _read_few_varints(buf: np.ndarray, pos: int, count: int) -> tuple[np.ndarray, int]:
+    """`_read_varints` of a few, one byte at a time (bits past the 64th dropped, as numpy's shifts drop
+    them)."""
+    data = buf[pos : pos + 10 * count].tobytes()
+    out: list[int] = []
+    i = 0
+    for _ in range(count):
+        value = 0
+        for k in range(11):
+            if k == 10:
+                raise CorruptBlock("block: a varint longer than 10 bytes")
+            if i >= len(data):
+                raise CorruptBlock(f"block: {count} varints expected, {len(out)} found")
+            byte = data[i]
+            i += 1
+            value |= (byte & 0x7F) << (7 * k)
+            if byte < 0x80:
+                break
+        out.append(value & _U64_MASK)
+    return np.array(out, dtype=_U64), pos + i
 
 
 def _zigzag(x: np.ndarray) -> np.ndarray:
@@ -307,6 +340,28 @@ def encode(block: Block) -> bytes:
 
 def decode(data: bytes) -> Block:
     """The block `encode` made; CorruptBlock when `data` is not one."""
+    return decode_many([data])[0]
+
+
+@dataclass(slots=True)
+class _Parsed:
+    """A block's header and its rows' coded words, per class of row (float32, float64, decimal), before the
+    rows' transforms are undone (`decode_many` undoes them for many blocks at once)."""
+
+    steps: np.ndarray
+    series: np.ndarray
+    present: np.ndarray
+    row_of: np.ndarray  # each present value's row
+    classes: list[np.ndarray]  # per class: which rows belong to it
+    coded: list[np.ndarray]  # per class: its rows' coded words, end to end
+    transforms: np.ndarray  # per row
+    scale: np.ndarray  # per row: d + 1 of a decimal row, else 0
+
+
+_CLASSES: tuple[type[np.unsignedinteger], ...] = (np.uint32, _U64, _U64)  # float32, float64, decimal rows
+
+
+def _parse(data: bytes) -> _Parsed:
     try:
         raw = _zstd()[1].decompress(data, max_output_size=MAX_BLOCK_BYTES)
     except zstandard.ZstdError as exc:
@@ -320,7 +375,9 @@ def decode(data: bytes) -> Block:
     steps = np.zeros(0, dtype=np.int64)
     if n:
         gaps, pos = _read_varints(buf, pos, n)
-        steps = np.cumsum(gaps.view(np.int64) + np.concatenate([[0], np.ones(n - 1, np.int64)]))
+        step_gaps = gaps.view(np.int64) + 1  # each gap was written minus one, the first step as it is
+        step_gaps[0] -= 1
+        steps = np.cumsum(step_gaps)
     series = np.zeros(0, dtype=np.int64)
     if m:
         deltas, pos = _read_varints(buf, pos, m)
@@ -335,9 +392,10 @@ def decode(data: bytes) -> Block:
         present = np.unpackbits(buf[pos + 1 : pos + 1 + size], count=m * n).astype(bool).reshape(m, n)
         pos += 1 + size
     modes = buf[pos : pos + m]
-    if modes.size < m or np.any(~np.isin(modes & 0x0F, (4, 8))) or np.any((modes >> 4) > DELTA2):
+    widths = modes & 0x0F
+    if modes.size < m or np.any((widths != 4) & (widths != 8)) or np.any((modes >> 4) > DELTA2):
         raise CorruptBlock("block: a row's mode is not one this version writes")
-    wide_rows, transforms = (modes & 0x0F) == 8, modes >> 4
+    wide_rows, transforms = widths == 8, modes >> 4
     pos += m
     scale = np.zeros(m, dtype=np.uint8)
     if version >= 2:
@@ -347,38 +405,55 @@ def decode(data: bytes) -> Block:
         pos += m
     decimal_rows = scale > 0
     per_row = present.sum(axis=1)
-    values = np.zeros((m, n), dtype=np.float64)
-    flat = np.zeros(int(per_row.sum()), dtype=np.float64)
-    row_of = np.repeat(np.arange(m), per_row)
-    classes: tuple[tuple[type[np.unsignedinteger], np.ndarray], ...] = (
-        (np.uint32, ~wide_rows),
-        (_U64, wide_rows & ~decimal_rows),
-        (_U64, decimal_rows),
-    )
-    for kind, (dtype, rows) in enumerate(classes):
-        lengths = np.where(rows, per_row, 0)[rows]
-        count = int(lengths.sum())
+    classes = [~wide_rows, wide_rows & ~decimal_rows, decimal_rows]
+    coded = []
+    for dtype, rows in zip(_CLASSES, classes, strict=True):
+        count = int(per_row[rows].sum())
         width = np.dtype(dtype).itemsize
         if buf.size < pos + count * width:
             raise CorruptBlock("block: ends inside its values")
-        coded = _unplanes(buf[pos:], count, dtype)
+        coded.append(_unplanes(buf[pos:], count, dtype))
         pos += count * width
-        words = np.zeros(count, dtype=dtype)
+    if pos != buf.size:
+        raise CorruptBlock(f"block: {buf.size - pos} bytes after its values")
+    row_of = np.repeat(np.arange(m), per_row)
+    return _Parsed(steps, series, present, row_of, classes, coded, transforms, scale)
+
+
+def decode_many(datas: Sequence[bytes]) -> list[Block]:
+    """The blocks `encode` made, decoded together: each block's header is read on its own, its rows'
+    transforms are undone for all the blocks at once (a few numpy calls for the lot, not for each block:
+    a read of hundreds of packs or blocks pays ~a third of decoding them one by one). CorruptBlock when one
+    of `datas` is not a block."""
+    parsed = [_parse(d) for d in datas]
+    flats = [np.zeros(p.row_of.size, dtype=np.float64) for p in parsed]
+    for kind, dtype in enumerate(_CLASSES):
+        sizes = [p.coded[kind].size for p in parsed]
+        if not sum(sizes):
+            continue
+        coded = np.concatenate([p.coded[kind] for p in parsed])
+        lengths = np.concatenate([p.present.sum(axis=1)[p.classes[kind]] for p in parsed])
+        transforms = np.concatenate([p.transforms[p.classes[kind]] for p in parsed])
         owner = np.repeat(np.arange(lengths.size), lengths)
+        words = np.zeros(coded.size, dtype=dtype)
         for t in (XOR, DELTA, DELTA2):
-            mine = transforms[rows] == t
+            mine = transforms == t
             if mine.any():
                 at = mine[owner]
                 words[at] = _backward(coded[at], _starts(lengths[mine]), t)
-        at_rows = rows[row_of]
         if kind == 0:
-            flat[at_rows] = words.view(np.float32).astype(np.float64)
+            values = words.view(np.float32).astype(np.float64)
         elif kind == 1:
-            flat[at_rows] = words.view(np.float64)
+            values = words.view(np.float64)
         else:  # k / 10**d: the float nearest the decimal, as the encoder checked
-            powers = 10.0 ** (scale[rows].astype(np.int64) - 1)
-            flat[at_rows] = words.view(np.int64) / powers[owner]
-    if pos != buf.size:
-        raise CorruptBlock(f"block: {buf.size - pos} bytes after its values")
-    values[present] = flat
-    return Block(steps, series, values, present)
+            scale = np.concatenate([p.scale[p.classes[kind]] for p in parsed])
+            values = words.view(np.int64) / (10.0 ** (scale.astype(np.int64) - 1))[owner]
+        for p, flat, piece in zip(parsed, flats, np.split(values, np.cumsum(sizes)[:-1]), strict=True):
+            if piece.size:
+                flat[p.classes[kind][p.row_of]] = piece
+    out = []
+    for p, flat in zip(parsed, flats, strict=True):
+        values = np.zeros(p.present.shape, dtype=np.float64)
+        values[p.present] = flat
+        out.append(Block(p.steps, p.series, values, p.present))
+    return out
