@@ -185,6 +185,7 @@ def test_a_block_of_the_first_version_still_decodes() -> None:
         (b"not zstd", "not a zstd frame"),
         (__import__("zstandard").ZstdCompressor().compress(b"\x09\x00\x00"), "version"),
         (__import__("zstandard").ZstdCompressor().compress(b"\x01\x05\x02"), "varints"),
+        (__import__("zstandard").ZstdCompressor().compress(b"\x02\xe8\x07\xe8\x07"), "1000 x 1000 values"),
     ],
 )
 def test_what_is_not_a_block_is_refused_by_name(data: bytes, message: str) -> None:

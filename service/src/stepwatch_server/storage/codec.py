@@ -128,11 +128,16 @@ def _read_varints(buf: np.ndarray, pos: int, count: int) -> tuple[np.ndarray, in
 
 
 def _read_few_varints(buf: np.ndarray, pos: int, count: int) -> tuple[np.ndarray, int]:
-    """`_read_varints` of a few, one byte at a time (bits past the 64th dropped, as numpy's shifts drop
-    them)."""
-    data = buf[pos : pos + 10 * count].tobytes()
+    """`_read_varints` of a few, one byte at a time."""
+    values, end = _varint_list(buf[pos : pos + 10 * count].tobytes(), 0, count)
+    return np.array(values, dtype=_U64), pos + end
+
+
+def _varint_list(data: bytes, pos: int, count: int) -> tuple[list[int], int]:
+    """`count` varints of `data` from `pos` as Python ints (bits past the 64th dropped, as numpy's shifts
+    drop them), and the position after them."""
     out: list[int] = []
-    i = 0
+    i = pos
     for _ in range(count):
         value = 0
         for k in range(11):
@@ -146,7 +151,7 @@ def _read_few_varints(buf: np.ndarray, pos: int, count: int) -> tuple[np.ndarray
             if byte < 0x80:
                 break
         out.append(value & _U64_MASK)
-    return np.array(out, dtype=_U64), pos + i
+    return out, i
 
 
 def _zigzag(x: np.ndarray) -> np.ndarray:
@@ -346,16 +351,17 @@ def decode(data: bytes) -> Block:
 @dataclass(slots=True)
 class _Parsed:
     """A block's header and its rows' coded words, per class of row (float32, float64, decimal), before the
-    rows' transforms are undone (`decode_many` undoes them for many blocks at once)."""
+    rows' transforms are undone (`decode_many` undoes them for many blocks at once). The few per-row facts
+    are Python lists: numpy's calls cost more than they save on a pack's five rows."""
 
     steps: np.ndarray
     series: np.ndarray
-    present: np.ndarray
-    row_of: np.ndarray  # each present value's row
-    classes: list[np.ndarray]  # per class: which rows belong to it
+    present: np.ndarray | None  # None: every value present
+    per_row: list[int]  # values present in each row
+    rows: list[list[int]]  # per class: its rows, in order
+    transforms: list[list[int]]  # per class: each of its rows' transform
+    scales: list[int]  # each decimal row's d + 1
     coded: list[np.ndarray]  # per class: its rows' coded words, end to end
-    transforms: np.ndarray  # per row
-    scale: np.ndarray  # per row: d + 1 of a decimal row, else 0
 
 
 _CLASSES: tuple[type[np.unsignedinteger], ...] = (np.uint32, _U64, _U64)  # float32, float64, decimal rows
@@ -366,12 +372,13 @@ def _parse(data: bytes) -> _Parsed:
         raw = _zstd()[1].decompress(data, max_output_size=MAX_BLOCK_BYTES)
     except zstandard.ZstdError as exc:
         raise CorruptBlock(f"block: not a zstd frame ({exc})") from None
+    if not raw or raw[0] not in VERSIONS:
+        raise CorruptBlock(f"block: version {raw[0] if raw else None}, expected one of {VERSIONS}")
+    version = raw[0]
     buf = np.frombuffer(raw, dtype=np.uint8)
-    if not buf.size or buf[0] not in VERSIONS:
-        raise CorruptBlock(f"block: version {buf[0] if buf.size else None}, expected one of {VERSIONS}")
-    version = int(buf[0])
-    (n, m), pos = _read_varints(buf, 1, 2)
-    n, m = int(n), int(m)
+    (n, m), pos = _varint_list(raw, 1, 2)
+    if m * n > 8 * len(raw):  # a value takes a bit of the bitmap at least
+        raise CorruptBlock(f"block: {m} x {n} values in {len(raw)} bytes")
     steps = np.zeros(0, dtype=np.int64)
     if n:
         gaps, pos = _read_varints(buf, pos, n)
@@ -382,58 +389,59 @@ def _parse(data: bytes) -> _Parsed:
     if m:
         deltas, pos = _read_varints(buf, pos, m)
         series = np.cumsum(_unzigzag(deltas))
-    if pos >= buf.size:
+    if pos >= len(raw):
         raise CorruptBlock("block: ends before its presence byte")
-    if buf[pos] == 0:
-        present = np.ones((m, n), dtype=bool)
-        pos += 1
-    else:
+    present = None
+    per_row = [n] * m
+    if raw[pos]:
         size = (m * n + 7) // 8
         present = np.unpackbits(buf[pos + 1 : pos + 1 + size], count=m * n).astype(bool).reshape(m, n)
-        pos += 1 + size
-    modes = buf[pos : pos + m]
-    widths = modes & 0x0F
-    if modes.size < m or np.any((widths != 4) & (widths != 8)) or np.any((modes >> 4) > DELTA2):
+        per_row = present.sum(axis=1).tolist()
+        pos += size
+    pos += 1
+    modes = raw[pos : pos + m]
+    if len(modes) < m or any((b & 0x0F) not in (4, 8) or (b >> 4) > DELTA2 for b in modes):
         raise CorruptBlock("block: a row's mode is not one this version writes")
-    wide_rows, transforms = widths == 8, modes >> 4
     pos += m
-    scale = np.zeros(m, dtype=np.uint8)
+    scale = bytes(m)
     if version >= 2:
-        scale = buf[pos : pos + m]
-        if scale.size < m or np.any(scale > MAX_DECIMALS + 1) or np.any((scale > 0) & ~wide_rows):
+        scale = raw[pos : pos + m]
+        if len(scale) < m or any(
+            d > MAX_DECIMALS + 1 or (d and (b & 0x0F) != 8) for d, b in zip(scale, modes, strict=False)
+        ):
             raise CorruptBlock("block: a row's decimal scale is not one this version writes")
         pos += m
-    decimal_rows = scale > 0
-    per_row = present.sum(axis=1)
-    classes = [~wide_rows, wide_rows & ~decimal_rows, decimal_rows]
+    rows: list[list[int]] = [[], [], []]
+    for r, (b, d) in enumerate(zip(modes, scale, strict=True)):
+        rows[0 if (b & 0x0F) == 4 else 2 if d else 1].append(r)
     coded = []
-    for dtype, rows in zip(_CLASSES, classes, strict=True):
-        count = int(per_row[rows].sum())
+    for dtype, mine in zip(_CLASSES, rows, strict=True):
+        count = sum(per_row[r] for r in mine)
         width = np.dtype(dtype).itemsize
-        if buf.size < pos + count * width:
+        if len(raw) < pos + count * width:
             raise CorruptBlock("block: ends inside its values")
         coded.append(_unplanes(buf[pos:], count, dtype))
         pos += count * width
-    if pos != buf.size:
-        raise CorruptBlock(f"block: {buf.size - pos} bytes after its values")
-    row_of = np.repeat(np.arange(m), per_row)
-    return _Parsed(steps, series, present, row_of, classes, coded, transforms, scale)
+    if pos != len(raw):
+        raise CorruptBlock(f"block: {len(raw) - pos} bytes after its values")
+    transforms = [[modes[r] >> 4 for r in mine] for mine in rows]
+    return _Parsed(steps, series, present, per_row, rows, transforms, [scale[r] for r in rows[2]], coded)
 
 
 def decode_many(datas: Sequence[bytes]) -> list[Block]:
     """The blocks `encode` made, decoded together: each block's header is read on its own, its rows'
     transforms are undone for all the blocks at once (a few numpy calls for the lot, not for each block:
-    a read of hundreds of packs or blocks pays ~a third of decoding them one by one). CorruptBlock when one
-    of `datas` is not a block."""
+    a read of hundreds of packs or blocks pays about half of decoding them one by one). CorruptBlock when
+    one of `datas` is not a block."""
     parsed = [_parse(d) for d in datas]
-    flats = [np.zeros(p.row_of.size, dtype=np.float64) for p in parsed]
+    pieces: list[list[np.ndarray]] = [[] for _ in parsed]  # per block: its values, class by class
     for kind, dtype in enumerate(_CLASSES):
         sizes = [p.coded[kind].size for p in parsed]
-        if not sum(sizes):
+        lengths = np.array([p.per_row[r] for p in parsed for r in p.rows[kind]], dtype=np.int64)
+        if not lengths.size:
             continue
         coded = np.concatenate([p.coded[kind] for p in parsed])
-        lengths = np.concatenate([p.present.sum(axis=1)[p.classes[kind]] for p in parsed])
-        transforms = np.concatenate([p.transforms[p.classes[kind]] for p in parsed])
+        transforms = np.array([t for p in parsed for t in p.transforms[kind]], dtype=np.int64)
         owner = np.repeat(np.arange(lengths.size), lengths)
         words = np.zeros(coded.size, dtype=dtype)
         for t in (XOR, DELTA, DELTA2):
@@ -446,14 +454,26 @@ def decode_many(datas: Sequence[bytes]) -> list[Block]:
         elif kind == 1:
             values = words.view(np.float64)
         else:  # k / 10**d: the float nearest the decimal, as the encoder checked
-            scale = np.concatenate([p.scale[p.classes[kind]] for p in parsed])
-            values = words.view(np.int64) / (10.0 ** (scale.astype(np.int64) - 1))[owner]
-        for p, flat, piece in zip(parsed, flats, np.split(values, np.cumsum(sizes)[:-1]), strict=True):
-            if piece.size:
-                flat[p.classes[kind][p.row_of]] = piece
+            scale = np.array([d for p in parsed for d in p.scales], dtype=np.int64)
+            values = words.view(np.int64) / (10.0 ** (scale - 1))[owner]
+        for piece_list, piece in zip(pieces, np.split(values, np.cumsum(sizes)[:-1]), strict=True):
+            piece_list.append(piece)
     out = []
-    for p, flat in zip(parsed, flats, strict=True):
-        values = np.zeros(p.present.shape, dtype=np.float64)
-        values[p.present] = flat
-        out.append(Block(p.steps, p.series, values, p.present))
+    for p, got in zip(parsed, pieces, strict=True):
+        m, n = len(p.per_row), p.steps.size
+        order = [r for mine in p.rows for r in mine]  # the rows in the order their values came
+        joined = np.concatenate(got) if got else np.zeros(0, dtype=np.float64)
+        values = np.zeros((m, n), dtype=np.float64)
+        if p.present is None:
+            values[order] = joined.reshape(len(order), n)
+            present = np.ones((m, n), dtype=bool)
+        else:
+            present = p.present
+            starts = np.cumsum([0, *(p.per_row[r] for r in order)])
+            flat = np.zeros(joined.size, dtype=np.float64)  # row by row, as `values[present]` takes them
+            row_start = np.cumsum([0, *p.per_row])
+            for i, r in enumerate(order):
+                flat[row_start[r] : row_start[r + 1]] = joined[starts[i] : starts[i + 1]]
+            values[present] = flat
+        out.append(Block(p.steps, p.series, values, present))
     return out
