@@ -1,6 +1,7 @@
 """Compaction (README "Disk use, retention and deleting a run": older values are stored compactly), on both
-backends: a run's steps far enough behind its newest step move from one row per value into one compressed
-block per rank and 64 steps, and every read gives back what it gave before, bit for bit: NaN, infinities,
+backends: a run's steps far enough behind its newest step (all of them once the run is silent for a day)
+move from one row per value into one compressed block per rank and 256 steps, and every read gives back
+what it gave before, bit for bit: NaN, infinities,
 -0.0, subnormals, float64 values that are not float32, values not sent (null), a restart's incarnation
 replacing steps, the per-rank and mean curves, the module statistics, the heatmaps and the rollups. A value
 that arrives late for a compacted step is read with its block and counted in the rollups; expiry and
@@ -18,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from sqlalchemy import Engine, func, insert, select
+from sqlalchemy import Engine, event, func, insert, select, update
 
 from stepwatch_server.cli import build_parser
 from stepwatch_server.ingest.store import insert_points
@@ -300,6 +301,96 @@ def test_a_restart_inside_compacted_buckets_reads_the_same_from_the_packs(
         assert conn.execute(select(func.count()).where(StepRollup.step <= 511)).scalar_one() == 0
     assert compacted_to == 511 and worker.stats()["step_packs_written"] > 0
     assert _views(collector) == before
+
+
+def _age(engine: Engine, days: float) -> None:
+    """Make run "compact" last heard from `days` ago (the run's and its ranks' `last_seen_at`)."""
+    then = dt.datetime.now(dt.UTC) - dt.timedelta(days=days)
+    with write_transaction(engine) as conn:
+        run_id = conn.execute(select(Run.id).where(Run.name == "compact")).scalar_one()
+        conn.execute(update(Run).where(Run.id == run_id).values(last_seen_at=then))
+        conn.execute(update(Rank).where(Rank.run_id == run_id).values(last_seen_at=then))
+
+
+def test_a_run_silent_for_a_day_has_its_newest_steps_compacted_and_may_resume(
+    start_collector: Callable[..., Collector], engine: Engine
+) -> None:
+    """The newest steps stay rows while the run is heard from, however far behind; a day after its last
+    batch (it ended, or died) they go into blocks too, the last bucket part-filled, once; a new session
+    after that is read with the blocks and compacted again when the run falls silent again."""
+    collector = start_collector(compact_after_steps=0)
+    _feed(collector)
+    _rolled_up(engine)
+    views_before, raw_before = _views(collector), _raw(engine)
+    medians = [r["median_step_ms"] for r in collector.get("/api/v1/runs/compact/ranks")["ranks"]]
+    assert None not in medians
+    worker = CompactionWorker(engine, after_steps=AFTER)
+    worker.compact_once()
+    _age(engine, 0.9)  # silent for less than a day: its newest steps stay rows
+    assert worker.compact_once() == 0
+    with engine.connect() as conn:
+        assert conn.execute(select(Run.compacted_to)).scalar_one() == COMPACTED_TO
+
+    _age(engine, 1.1)
+    moved = worker.compact_once()
+    with engine.connect() as conn:
+        assert conn.execute(select(Run.compacted_to)).scalar_one() == 511  # the end of the last bucket
+        assert conn.execute(select(func.count()).select_from(StepRecord)).scalar_one() == 0
+        assert conn.execute(select(func.count()).select_from(StepRollup)).scalar_one() == 0
+    assert moved > 0 and _count(engine, Point) == 0
+    assert _count(engine, ValueBlock) == 5  # 2 ranks x 2 buckets, and rank 0's restart in bucket 1
+    _same(raw_before, _raw(engine))
+    assert _views(collector) == views_before
+    # The rank table's median step time reads the blocks when the recent steps are in them.
+    assert [r["median_step_ms"] for r in collector.get("/api/v1/runs/compact/ranks")["ranks"]] == medians
+    statements: list[str] = []
+
+    def listen(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+        statements.append(statement)
+
+    event.listen(engine, "before_cursor_execute", listen)
+    try:
+        assert worker.compact_once() == 0
+    finally:
+        event.remove(engine, "before_cursor_execute", listen)
+    assert statements and not [s for s in statements if "points" in s]  # moved once: not looked at again
+
+    # The run resumes: rank 1's new session sends steps 400..449 into the compacted, part-filled bucket.
+    resumed = _batch(1, range(STEPS, STEPS + 50), "compact-1-resumed", 0, incarnation=2)
+    assert collector.post(resumed).status_code == 200
+    _rolled_up(engine, STEPS + 49)
+    assert worker.compact_once() == 0  # heard from again: nothing is far enough behind
+    loss = collector.get("/api/v1/runs/compact/series", metric="loss", rank="1", max_points=10_000)
+    assert loss["series"][0]["steps"][-50:] == list(range(STEPS, STEPS + 50))
+    views_resumed, raw_resumed = _views(collector), _raw(engine)
+    _age(engine, 2.0)
+    assert worker.compact_once() == 50 * 6 + 5  # the new steps' six metrics and five amax values
+    assert _count(engine, Point) == 0
+    _same(raw_resumed, _raw(engine))
+    assert _views(collector) == views_resumed
+
+
+def test_the_median_step_time_from_the_step_end_times_reads_the_blocks_too(
+    start_collector: Callable[..., Collector], engine: Engine
+) -> None:
+    """A run that sends no `time.step_ms`: the rank table's median step time is the spacing of its step end
+    times (0.4123456789 s here), from the rows, and from the blocks once the run is compacted to its end."""
+    collector = start_collector(compact_after_steps=0)
+    for start in range(0, 300, 50):
+        batch = _batch(0, range(start, start + 50), "times-only", start)
+        batch["metrics"] = {"loss": batch["metrics"]["loss"]}
+        assert collector.post(batch).status_code == 200
+    _rolled_up(engine, 299)
+
+    def median() -> float:
+        (rank,) = collector.get("/api/v1/runs/compact/ranks")["ranks"]
+        return float(rank["median_step_ms"])
+
+    assert median() == pytest.approx(412.3456789)
+    _age(engine, 2.0)
+    CompactionWorker(engine, after_steps=AFTER).compact_once()
+    assert _count(engine, StepRecord) == 0 and _count(engine, Point) == 0
+    assert median() == pytest.approx(412.3456789)
 
 
 def test_expiry_and_deletion_remove_the_blocks(

@@ -66,8 +66,8 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="STEPS",
-        help="move each run's values this many steps behind its newest into compressed blocks; 0: never "
-        "(default $STEPWATCH_COMPACT_AFTER_STEPS, else 3600)",
+        help="move each run's values this many steps behind its newest into compressed blocks (all of them "
+        "once the run is silent for a day); 0: never (default $STEPWATCH_COMPACT_AFTER_STEPS, else 3600)",
     )
 
 

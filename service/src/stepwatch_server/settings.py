@@ -184,7 +184,8 @@ class Settings:
     a run not heard from for longer is deleted (runs/expiry.py). None: kept forever.
 
     `compact_after_steps` (STEPWATCH_COMPACT_AFTER_STEPS): a run's values this many steps behind its newest
-    step move into compressed blocks (runs/compaction.py); 0: never.
+    step move into compressed blocks (runs/compaction.py), all of them once the run is silent for a day;
+    0: never.
     """
 
     database_url: str = field(default_factory=_env_database_url)

@@ -4,8 +4,11 @@ bucket: storage/blocks.py), README "Disk use, retention and deleting a run".
 
 A run's steps are compacted once the rollups hold them (`rollup_marks.rolled_to`) and they are more
 than `after_steps` behind its newest step (the highest `last_step` of its ranks), whole buckets only,
-so the views that read the newest steps (`/metrics`, a rank's median step time, the step rollups above
-the watermark) and Grafana's PostgreSQL panels keep reading rows. Each transaction moves at most
+so the views that read the newest steps (`/metrics`, the step rollups above the watermark) and Grafana's
+PostgreSQL panels keep reading rows. A run not heard from for `idle_s` (a
+day: it ended, or died) has its newest steps compacted too, its last bucket however full; should it
+resume, its new steps are rows in a compacted bucket (as a late value is, below) until it is silent again,
+or moves on past the bucket, and the bucket is written again with them. Each transaction moves at most
 `max_values` values (a window of buckets, or of ranks within one bucket; one rank's block at least):
 it reads the rows, writes their blocks (merged with a block already there: a late value re-sent after
 an interrupted pass), deletes the rows and raises the run's `compacted_to`, the highest step a block
@@ -21,6 +24,7 @@ runs/queries.read_values; the rollup worker recomputes such a bucket from both: 
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,6 +55,9 @@ from stepwatch_server.storage.models import (
 log = logging.getLogger(__name__)
 
 COMPACTION_INTERVAL_S = 10.0
+# A run not heard from for this long (nothing stored for it: the run's and its ranks' `last_seen_at`) has
+# its newest steps compacted too: it ended, or died; Grafana's panels, which read rows, then show it no more.
+IDLE_S = 86_400.0
 BLOCK_STEPS = blocks.BLOCK_STEPS
 
 _DELETE_POINTS = text(
@@ -67,6 +74,7 @@ class _Due:
     last: int
     ranks: list[int]
     ids: list[int]
+    top: int  # the run's newest step
 
 
 class CompactionWorker(BackgroundWorker):
@@ -79,16 +87,20 @@ class CompactionWorker(BackgroundWorker):
         after_steps: int = DEFAULT_COMPACT_AFTER_STEPS,
         interval_s: float = COMPACTION_INTERVAL_S,
         max_values: int = DELETE_CHUNK_ROWS,
+        idle_s: float = IDLE_S,
     ) -> None:
         super().__init__()
         self.db = engine
         self.after_steps = after_steps
+        self.idle_s = idle_s
         self.interval_s = interval_s
         self.max_values = max_values
         self.values_moved = 0
         self.blocks_written = 0
         self.step_packs_written = 0
         self._finished: dict[int, int] = {}  # run id -> the last bucket moved for every rank by this worker
+        # idle run id -> its newest step when this worker moved its last bucket
+        self._tails: dict[int, int] = {}
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -112,21 +124,40 @@ class CompactionWorker(BackgroundWorker):
 
     def _due(self) -> list[_Due]:
         newest = (
-            select(Rank.run_id, func.max(Rank.last_step).label("newest")).group_by(Rank.run_id).subquery()
+            select(
+                Rank.run_id,
+                func.max(Rank.last_step).label("newest"),
+                func.max(Rank.last_seen_at).label("seen"),
+            )
+            .group_by(Rank.run_id)
+            .subquery()
         )
+        idle_since = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=self.idle_s)
         with self.db.connect() as conn:
             rows = conn.execute(
-                select(Run.id, Run.compacted_to, RollupMark.rolled_to, newest.c.newest)
+                select(
+                    Run.id,
+                    Run.compacted_to,
+                    RollupMark.rolled_to,
+                    newest.c.newest,
+                    Run.last_seen_at,
+                    newest.c.seen,
+                )
                 .join(RollupMark, RollupMark.run_id == Run.id)
                 .join(newest, newest.c.run_id == Run.id)
                 .order_by(Run.id)
             ).all()
             out = []
-            for run_id, compacted_to, rolled_to, top in rows:
+            for run_id, compacted_to, rolled_to, top, run_seen, ranks_seen in rows:
                 if top is None:
                     continue
+                seen = max(t for t in (run_seen, ranks_seen) if t is not None)
+                idle = seen < idle_since and int(rolled_to) >= int(top)
+                if idle and self._tails.get(int(run_id)) == int(top):
+                    continue  # its last bucket is moved and nothing came since
                 horizon = min(int(rolled_to), int(top) - self.after_steps)
-                last = (horizon + 1) // BLOCK_STEPS - 1  # the last bucket wholly up to the horizon
+                # The last bucket wholly up to the horizon; an idle run's last bucket, however full.
+                last = int(top) // BLOCK_STEPS if idle else (horizon + 1) // BLOCK_STEPS - 1
                 if compacted_to is None:
                     start = conn.execute(
                         select(func.min(AgentSession.first_step)).where(AgentSession.run_id == run_id)
@@ -144,7 +175,9 @@ class CompactionWorker(BackgroundWorker):
                         select(Series.id).where(Series.run_id == run_id).order_by(Series.id)
                     ).scalars()
                 )
-                out.append(_Due(int(run_id), first, last, [int(r) for r in ranks], [int(i) for i in ids]))
+                out.append(
+                    _Due(int(run_id), first, last, [int(r) for r in ranks], [int(i) for i in ids], int(top))
+                )
         return out
 
     def _windows(self, due: _Due) -> list[tuple[int, int, list[int], bool]]:
@@ -200,7 +233,11 @@ class CompactionWorker(BackgroundWorker):
                     self.step_packs_written += packed
         if finishes:
             with self._lock:
-                self._finished[due.run_id] = last
+                if hi <= due.top:
+                    self._finished[due.run_id] = last
+                else:  # an idle run's last bucket: done until the run sends more
+                    self._finished[due.run_id] = last - 1
+                    self._tails[due.run_id] = due.top
         if moved:
             log.debug("compaction: run %d buckets %d..%d: %d values", due.run_id, first, last, moved)
         return moved

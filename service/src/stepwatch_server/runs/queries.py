@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, Row, Select, and_, func, select
+from sqlalchemy import Connection, Row, Select, func, select
 
 from stepwatch_server.errors import NotFound
 from stepwatch_server.storage import blocks
@@ -307,54 +307,52 @@ def rank_states(conn: Connection, run_id: int) -> list[dict[str, Any]]:
 
 
 def median_step_ms(conn: Connection, run_id: int) -> dict[int, float]:
-    """Per rank, the median of `time.step_ms` over its recent steps (current incarnation).
+    """Per rank, the median of `time.step_ms` over its recent steps (current incarnation), from the rows
+    and the blocks alike (a run silent for a day is compacted to its last step: runs/compaction.py).
 
-    Falls back to the spacing of the step timestamps when the metric was not sent.
+    Falls back to the spacing of the step end times when the metric was not sent.
     """
+    ranks = conn.execute(
+        select(Rank.rank, Rank.incarnation, Rank.last_step)
+        .where(Rank.run_id == run_id, Rank.last_step.is_not(None))
+        .order_by(Rank.rank)
+    ).all()
+    if not ranks:
+        return {}
+    numbers, incarnations, lasts = (np.array(c, dtype=np.int64) for c in zip(*ranks, strict=True))
+    low = int(lasts.min()) - RECENT_STEPS + 1
     sid = conn.execute(
         select(Series.id).where(
             Series.run_id == run_id, Series.stat == METRIC_STAT, Series.name == STEP_TIME_METRIC
         )
     ).scalar()
-    recent = and_(Rank.run_id == run_id, Rank.last_step.is_not(None))
-    by_rank: dict[int, list[float]] = {}
     if sid is not None:
-        rows = conn.execute(
-            select(Point.rank, Point.value)
-            .join(Rank, and_(Rank.rank == Point.rank, recent))
-            .where(
-                Point.series_id == sid,
-                Point.incarnation == Rank.incarnation,
-                Point.step > Rank.last_step - RECENT_STEPS,
-            )
-        )
-        for rank, value in rows:
-            if value is not None:
-                by_rank.setdefault(rank, []).append(value)
+        _, rank, step, inc, values = read_values(conn, [int(sid)], None, low, None, numbers.tolist())
     else:
-        step_rows = conn.execute(
-            select(StepRecord.rank, StepRecord.step, StepRecord.ts)
-            .join(Rank, and_(Rank.rank == StepRecord.rank, recent))
-            .where(
-                StepRecord.run_id == run_id,
-                StepRecord.incarnation == Rank.incarnation,
-                StepRecord.step > Rank.last_step - RECENT_STEPS,
-            )
-            .order_by(StepRecord.rank, StepRecord.step)
+        found = conn.execute(
+            select(StepRecord.rank, StepRecord.step, StepRecord.incarnation, StepRecord.ts)
+            .where(StepRecord.run_id == run_id, StepRecord.step >= low)
+            .order_by(StepRecord.rank, StepRecord.step, StepRecord.incarnation)
+        ).all()
+        times = blocks.step_time_columns(found)
+        _, rank, step, inc, values = _with_blocks(
+            times, blocks.read_step_times(conn, run_id, None, low, None)
         )
-        previous: dict[int, tuple[int, float]] = {}
-        for rank, step, ts in step_rows:
-            before = previous.get(rank)
-            if before is not None and step == before[0] + 1:
-                by_rank.setdefault(rank, []).append((ts - before[1]) * 1000.0)
-            previous[rank] = (step, ts)
-    out = {}
-    for rank, values in by_rank.items():
-        arr = np.asarray(values, dtype=np.float64)
-        arr = arr[np.isfinite(arr)]
-        if arr.size:
-            out[rank] = float(np.median(arr))
-    return out
+    at = np.searchsorted(numbers, rank).clip(0, numbers.size - 1)
+    keep = (numbers[at] == rank) & (inc == incarnations[at]) & (step > lasts[at] - RECENT_STEPS)
+    rank, step, values = rank[keep], step[keep], values[keep]
+    if sid is None:  # a step's time: its end time less the one before, where the step before is there
+        follows = (rank[1:] == rank[:-1]) & (step[1:] == step[:-1] + 1)
+        rank, values = rank[1:][follows], (values[1:] - values[:-1])[follows] * 1000.0
+    finite = np.isfinite(values)
+    rank, values = rank[finite], values[finite]
+    if rank.size == 0:
+        return {}
+    starts = np.flatnonzero(np.r_[True, rank[1:] != rank[:-1]])
+    return {
+        int(rank[a]): float(np.median(values[a:b]))
+        for a, b in zip(starts.tolist(), [*starts[1:].tolist(), rank.size], strict=True)
+    }
 
 
 def read_fingerprints(
