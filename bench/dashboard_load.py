@@ -3,7 +3,7 @@
 A run of `--steps` steps x `--ranks` ranks (the issue's target: 100,000 x 512, to open in under 2 s)
 is written straight into a fresh database with the collector's own bulk insert (`insert_points`),
 each chunk handed to the collector's own rollup worker (`RollupWorker`) as ingest hands it over:
-every rank's loss, grad norm, lr, step/forward/data time and allocated memory on every step, the
+every rank's loss, grad norm, lr, step/forward/data time and allocated memory (`--memory-noise`) on every step, the
 amax of `--modules` modules every 10th step, and every step's end time (each rank's clock advanced by its step time), as the agent would send
 them (`_as_sent`: float32-exact losses, norms and amax, whole bytes of memory, times to the
 microsecond) (a straggler and a loss spike included, so the pictures have something to show). The page is
@@ -22,6 +22,8 @@ median time of each call is listed beside it.
 
 `--compact` then moves the run into compressed blocks (runs/compaction.py, timed), gives the deleted
 rows' space back (VACUUM) and measures the disk use and the page again: the two layouts side by side.
+That keeps the newest steps as rows, as while the run is heard from; then the rest is compacted too, as
+a day after the run's last batch, and both are measured a third time.
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ WRITE_STEPS = 2000  # steps per written chunk (one transaction per rank and chun
 PACED_CHUNK_S = 2.0  # ... or, with --steps-per-s, the steps of this long (the agent's default flush interval)
 METRICS = ("loss", "grad_norm", "lr", "time.step_ms", "time.forward_ms", "time.data_ms", "mem.allocated_mb")
 MAX_POINTS = 1600  # as web/src/run.js asks
+# The allocated memory as a real run's is (the Megatron log in ../shared/real-logs: flat within 4.1 MB
+# over 47,680 steps, in multiples of 512 bytes, ~0.75 MB between two readings), not 2% noise (~600 MB).
+ALLOCATOR_BYTES = 512
+MEMORY_JITTER_MB = 0.75
 BUCKETS = 240
 
 
@@ -91,7 +97,12 @@ def _as_sent(metric: str, v: np.ndarray) -> np.ndarray:
 
 
 def write_run(
-    database_url: str, steps: int, ranks: int, modules: int, steps_per_s: float | None = None
+    database_url: str,
+    steps: int,
+    ranks: int,
+    modules: int,
+    steps_per_s: float | None = None,
+    memory_noise: str = "real",
 ) -> dict[str, Any]:
     """The run's rows, written with the collector's bulk insert; returns counts and the time taken.
     `steps_per_s`: written at that pace, 2 s of steps at a time, as a live run's ranks send them (None:
@@ -151,7 +162,14 @@ def write_run(
             for r in range(ranks):
                 rows: list[tuple[int, int, int, int, float]] = []
                 for metric, values in base.items():
-                    v = values if metric == "lr" else values * (1.0 + 0.02 * rng.standard_normal(n))
+                    noise = rng.standard_normal(n) if metric != "lr" else None
+                    if noise is None:
+                        v = values
+                    elif metric == "mem.allocated_mb" and memory_noise == "real":
+                        granules = np.round((values + MEMORY_JITTER_MB * noise) * 2**20 / ALLOCATOR_BYTES)
+                        v = granules * ALLOCATOR_BYTES / 2**20
+                    else:
+                        v = values * (1.0 + 0.02 * noise)
                     if metric == "time.forward_ms" and r == ranks // 3:
                         v = v * np.where(s >= steps // 4, 1.3, 1.0)  # the straggler
                     v = _as_sent(metric, v)
@@ -304,26 +322,34 @@ def bench(backend: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             written: dict[str, Any] = {**before, "migrate_s": migrated_s}
         else:
             print(f"{backend}: writing {args.steps:,} steps x {args.ranks} ranks", flush=True)
-            written = write_run(url, args.steps, args.ranks, args.modules, args.steps_per_s)
+            written = write_run(
+                url, args.steps, args.ranks, args.modules, args.steps_per_s, args.memory_noise
+            )
         written.update(disk_use(url, vacuum=args.compact))  # --compact: both layouts measured vacuumed
         result = measure(backend, args, server, written)
         if args.compact:
             compacted = compact(url)
             compacted.update(disk_use(url, vacuum=True))
             result["compacted"] = measure(backend, args, server, {**written, **compacted, "reused": True})
+            silent = compact(url, silent=True)
+            silent.update(disk_use(url, vacuum=True))
+            result["compacted_silent"] = measure(backend, args, server, {**written, **silent, "reused": True})
         return result
 
 
-def compact(url: str) -> dict[str, Any]:
+def compact(url: str, silent: bool = False) -> dict[str, Any]:
     """Every step of the run moved into blocks (runs/compaction.py, with the smallest setting: all but the
-    newest MIN_COMPACT_AFTER_STEPS steps), timed."""
-    from stepwatch_server.runs.compaction import CompactionWorker
+    newest MIN_COMPACT_AFTER_STEPS steps), timed. `silent`: the rest too, as a day after the run's last
+    batch (the worker told that a run is silent at once, instead of waiting the day)."""
+    from stepwatch_server.runs.compaction import IDLE_S, CompactionWorker
     from stepwatch_server.settings import MIN_COMPACT_AFTER_STEPS
     from stepwatch_server.storage import make_engine
 
     engine = make_engine(url)
     try:
-        worker = CompactionWorker(engine, after_steps=MIN_COMPACT_AFTER_STEPS)
+        worker = CompactionWorker(
+            engine, after_steps=MIN_COMPACT_AFTER_STEPS, idle_s=0.0 if silent else IDLE_S
+        )
         started = time.perf_counter()
         moved = worker.compact_once()
         seconds = time.perf_counter() - started
@@ -471,6 +497,13 @@ def main() -> int:
         default=None,
         help="write the run at this pace (2 s of steps at a time, as ranks send them), to measure the rollup lag"
         " of a live run; default: as fast as the database takes the rows",
+    )
+    parser.add_argument(
+        "--memory-noise",
+        choices=("real", "2pct"),
+        default="real",
+        help="the allocated memory: 'real' (a real run's: flat within a few MB, in 512-byte granules) or '2pct' "
+        "(2%% noise on each step, as every other metric; what this benchmark wrote before 2026-12-06)",
     )
     parser.add_argument(
         "--sqlite-file",
