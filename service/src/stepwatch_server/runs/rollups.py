@@ -67,14 +67,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, bindparam, func, insert, select, text
+from sqlalchemy import Connection, bindparam, func, select, text
 
 from stepwatch_server.runs import rank_packs, step_packs
 from stepwatch_server.runs.queries import fetch_columns, read_points, read_values
 from stepwatch_server.runs.step_packs import ALL_RANKS
 from stepwatch_server.storage import blocks
 from stepwatch_server.storage.chunks import chunk_size, chunks
-from stepwatch_server.storage.models import AgentSession, RollupMark, Run, Series, StepRollup
+from stepwatch_server.storage.models import AgentSession, RollupMark, Run, Series
 
 BUCKET_STEPS = 64  # a level-0 rank rollup's bucket; level k's is BUCKET_STEPS << k steps wide
 LEVELS = 13  # levels 0..12: buckets of 64 .. 262,144 steps, each twice as wide as the one below
@@ -309,15 +309,7 @@ def _insert_from_values(
     if sid.size == 0:
         return
     unique, stats = aggregate([sid, step, inc], value)
-    names = ["series_id", "step", "incarnation", *_STAT_COLUMNS.split(", ")]
-    rows = [
-        {
-            name: (None if isinstance(v, float) and np.isnan(v) else v)
-            for name, v in zip(names, row, strict=True)
-        }
-        for row in zip(*(c.tolist() for c in (*unique, *stats)), strict=True)
-    ]
-    conn.execute(insert(StepRollup), rows)
+    step_packs.insert_rows(conn, [*unique, *stats])
 
 
 def finish(conn: Connection, r: Round) -> None:

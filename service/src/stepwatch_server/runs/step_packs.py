@@ -35,7 +35,8 @@ BUCKET_STEPS = BLOCK_STEPS  # a pack holds the steps of one compacted bucket
 ALL_RANKS = -1  # the rank of a step rollup (over every rank) where one key shape serves both kinds of rollup
 INTEGERS = rank_packs.INTEGERS
 _FIGURES = rank_packs.FIGURES
-_INSERT_ROWS = 1_000
+_INSERT_PACKS = 1_000  # packs (up to a few KB each) per INSERT statement
+_INSERT_ROWS = 10_000  # step rollup rows (nine numbers each) per INSERT statement
 
 
 def _rows_query(part: Sequence[int], first: int, last: int) -> Any:
@@ -77,8 +78,8 @@ def pack(conn: Connection, ids: Sequence[int], first: int, last: int) -> int:
         for a, b in zip(starts, ends, strict=True)
     ]
     _remove(conn, ids, first // BUCKET_STEPS, last // BUCKET_STEPS)
-    for i in range(0, len(packs), _INSERT_ROWS):
-        conn.execute(insert(StepRollupPack), packs[i : i + _INSERT_ROWS])
+    for i in range(0, len(packs), _INSERT_PACKS):
+        conn.execute(insert(StepRollupPack), packs[i : i + _INSERT_PACKS])
     r = StepRollup
     for part in chunks(sorted(ids), chunk_size(conn, fixed=2)):
         conn.execute(delete(r).where(r.series_id.in_(part), r.step >= first, r.step <= last))
@@ -100,18 +101,23 @@ def unpack(conn: Connection, ids: Sequence[int], first: int, last: int) -> None:
     cols = _read_packs(conn, ids, [StepRollupPack.bucket >= lo, StepRollupPack.bucket <= hi], 2)
     if cols[0].size == 0:
         return
+    _remove(conn, ids, lo, hi)
+    insert_rows(conn, [cols[0], cols[2], cols[3], *cols[4:]])
+
+
+def insert_rows(conn: Connection, cols: Sequence[np.ndarray]) -> None:
+    """Insert `step_rollups` rows from columns series, step, incarnation, n, total, lo, hi, nonfinite (a NaN
+    extreme, of a step with no finite value, stored as NULL)."""
     names = ["series_id", "step", "incarnation", *_FIGURES]
-    values = [cols[0], cols[2], cols[3], *cols[4:]]
     rows = [
         {
             name: (None if isinstance(v, float) and np.isnan(v) else v)
             for name, v in zip(names, row, strict=True)
         }
-        for row in zip(*(c.tolist() for c in values), strict=True)
+        for row in zip(*(c.tolist() for c in cols), strict=True)
     ]
-    _remove(conn, ids, lo, hi)
-    for i in range(0, len(rows), _INSERT_ROWS * 10):
-        conn.execute(insert(StepRollup), rows[i : i + _INSERT_ROWS * 10])
+    for i in range(0, len(rows), _INSERT_ROWS):
+        conn.execute(insert(StepRollup), rows[i : i + _INSERT_ROWS])
 
 
 def _remove(conn: Connection, ids: Sequence[int], lo: int, hi: int) -> None:
