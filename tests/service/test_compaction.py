@@ -374,23 +374,24 @@ def test_the_median_step_time_from_the_step_end_times_reads_the_blocks_too(
     start_collector: Callable[..., Collector], engine: Engine
 ) -> None:
     """A run that sends no `time.step_ms`: the rank table's median step time is the spacing of its step end
-    times (0.4123456789 s here), from the rows, and from the blocks once the run is compacted to its end."""
+    times (0.4123456789 s here), from the rows, and from the blocks once the run is compacted to its end;
+    rank 1 stopped 200 steps before rank 0 (its recent steps are read over its own range)."""
     collector = start_collector(compact_after_steps=0)
-    for start in range(0, 300, 50):
-        batch = _batch(0, range(start, start + 50), "times-only", start)
-        batch["metrics"] = {"loss": batch["metrics"]["loss"]}
-        assert collector.post(batch).status_code == 200
+    for rank, end in ((0, 300), (1, 100)):
+        for start in range(0, end, 50):
+            batch = _batch(rank, range(start, start + 50), f"times-only-{rank}", start)
+            batch["metrics"] = {"loss": batch["metrics"]["loss"]}
+            assert collector.post(batch).status_code == 200
     _rolled_up(engine, 299)
 
-    def median() -> float:
-        (rank,) = collector.get("/api/v1/runs/compact/ranks")["ranks"]
-        return float(rank["median_step_ms"])
+    def medians() -> list[float]:
+        return [r["median_step_ms"] for r in collector.get("/api/v1/runs/compact/ranks")["ranks"]]
 
-    assert median() == pytest.approx(412.3456789)
+    assert medians() == [pytest.approx(412.3456789)] * 2
     _age(engine, 2.0)
     CompactionWorker(engine, after_steps=AFTER).compact_once()
     assert _count(engine, StepRecord) == 0 and _count(engine, Point) == 0
-    assert median() == pytest.approx(412.3456789)
+    assert medians() == [pytest.approx(412.3456789)] * 2
 
 
 def test_expiry_and_deletion_remove_the_blocks(

@@ -320,24 +320,38 @@ def median_step_ms(conn: Connection, run_id: int) -> dict[int, float]:
     if not ranks:
         return {}
     numbers, incarnations, lasts = (np.array(c, dtype=np.int64) for c in zip(*ranks, strict=True))
-    low = int(lasts.min()) - RECENT_STEPS + 1
     sid = conn.execute(
         select(Series.id).where(
             Series.run_id == run_id, Series.stat == METRIC_STAT, Series.name == STEP_TIME_METRIC
         )
     ).scalar()
-    if sid is not None:
-        _, rank, step, inc, values = read_values(conn, [int(sid)], None, low, None, numbers.tolist())
-    else:
-        found = conn.execute(
-            select(StepRecord.rank, StepRecord.step, StepRecord.incarnation, StepRecord.ts)
-            .where(StepRecord.run_id == run_id, StepRecord.step >= low)
-            .order_by(StepRecord.rank, StepRecord.step, StepRecord.incarnation)
-        ).all()
-        times = blocks.step_time_columns(found)
-        _, rank, step, inc, values = _with_blocks(
-            times, blocks.read_step_times(conn, run_id, None, low, None)
-        )
+    # Ranks whose recent steps lie in the same blocks are read together, each group over its own steps: a
+    # rank far behind the others (stopped, or hung) does not widen the others' read to the whole run.
+    lows = lasts - RECENT_STEPS + 1
+    keys = np.stack([lows // blocks.BLOCK_STEPS, lasts // blocks.BLOCK_STEPS], axis=1)
+    _, group = np.unique(keys, axis=0, return_inverse=True)
+    parts = []
+    for g in range(int(group.max()) + 1):
+        mine = group.ravel() == g
+        low, high, members = int(lows[mine].min()), int(lasts[mine].max()), numbers[mine].tolist()
+        if sid is not None:
+            parts.append(read_values(conn, [int(sid)], None, low, high, members))
+        else:
+            found = conn.execute(
+                select(StepRecord.rank, StepRecord.step, StepRecord.incarnation, StepRecord.ts)
+                .where(
+                    StepRecord.run_id == run_id,
+                    StepRecord.rank.in_(members),
+                    StepRecord.step >= low,
+                    StepRecord.step <= high,
+                )
+                .order_by(StepRecord.rank, StepRecord.step, StepRecord.incarnation)
+            ).all()
+            held = blocks.read_step_times(conn, run_id, None, low, high)
+            parts.append(_with_blocks(blocks.step_time_columns(found), held))
+    cols = blocks.join(parts)
+    order = np.lexsort((cols[3], cols[2], cols[1]))
+    _, rank, step, inc, values = (c[order] for c in cols)
     at = np.searchsorted(numbers, rank).clip(0, numbers.size - 1)
     keep = (numbers[at] == rank) & (inc == incarnations[at]) & (step > lasts[at] - RECENT_STEPS)
     rank, step, values = rank[keep], step[keep], values[keep]
