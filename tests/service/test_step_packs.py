@@ -105,6 +105,17 @@ def test_rows_are_packed_read_counted_and_unpacked_with_every_figure_kept(engine
         assert _as_rows(step_packs.read(conn, sids, 0, 511)) == [r for r in before if r[1] <= 511]
         assert _read_rows(conn, sids, 0, 511) == []
 
+    # A row for a step that no pack holds (280: every 7th step was missing), packed over that step alone:
+    # the bucket's pack is rewritten with it, every step it held kept.
+    late = {"series_id": sids[0], "step": 280, "incarnation": 1, "n": 8, "total": 1.5, "lo": 0.1, "hi": 0.3}
+    with engine.begin() as conn:
+        conn.execute(insert(StepRollup), [{**late, "nonfinite": 0}])
+        assert step_packs.pack(conn, sids[:1], 280, 280) == 2  # bucket 1's packs of incarnations 1 and 2
+    with engine.connect() as conn:
+        expected = sorted([r for r in before if r[1] <= 511] + [(sids[0], 280, 1, 8, 1.5, 0.1, 0.3, 0)])
+        assert sorted(_as_rows(step_packs.read(conn, sids, 0, 511))) == expected
+        assert _read_rows(conn, sids, 0, 511) == []
+
 
 def test_the_migration_packs_the_compacted_steps_rollups_and_unpacks_them_on_a_downgrade(
     database_url: str,

@@ -49,13 +49,15 @@ def _rows_query(part: Sequence[int], first: int, last: int) -> Any:
 
 
 def pack(conn: Connection, ids: Sequence[int], first: int, last: int) -> int:
-    """Move the step rollup rows of series `ids` in steps first..last (whole buckets) into packs, one per
-    (series, bucket, incarnation), merged with a pack already there (its steps that have no row); the
-    number of packs written."""
+    """Move the step rollup rows of series `ids` in steps first..last into packs, one per (series, bucket,
+    incarnation), merged with a pack already there (its steps that have no row); the number of packs
+    written. A range that cuts a bucket keeps the bucket's packed steps outside it."""
     rows = fetch_chunked(conn, ids, lambda part: _rows_query(part, first, last), INTEGERS, fixed=2)
     if rows[0].size == 0:
         return 0
-    held = read(conn, ids, first, last)
+    held = read(
+        conn, ids, first // BUCKET_STEPS * BUCKET_STEPS, (last // BUCKET_STEPS + 1) * BUCKET_STEPS - 1
+    )
     cols = _first_of_each([np.concatenate([r, h]) for r, h in zip(rows, held, strict=True)])  # rows first
     sid, step, inc = cols[0], cols[2], cols[3]
     bucket = step // BUCKET_STEPS
