@@ -463,17 +463,10 @@ def decode_many(datas: Sequence[bytes]) -> list[Block]:
         m, n = len(p.per_row), p.steps.size
         order = [r for mine in p.rows for r in mine]  # the rows in the order their values came
         joined = np.concatenate(got) if got else np.zeros(0, dtype=np.float64)
+        present = np.ones((m, n), dtype=bool) if p.present is None else p.present
+        in_order = np.zeros((m, n), dtype=np.float64)  # the rows as their values came, then put back
+        in_order[present[order]] = joined
         values = np.zeros((m, n), dtype=np.float64)
-        if p.present is None:
-            values[order] = joined.reshape(len(order), n)
-            present = np.ones((m, n), dtype=bool)
-        else:
-            present = p.present
-            starts = np.cumsum([0, *(p.per_row[r] for r in order)])
-            flat = np.zeros(joined.size, dtype=np.float64)  # row by row, as `values[present]` takes them
-            row_start = np.cumsum([0, *p.per_row])
-            for i, r in enumerate(order):
-                flat[row_start[r] : row_start[r + 1]] = joined[starts[i] : starts[i + 1]]
-            values[present] = flat
+        values[order] = in_order
         out.append(Block(p.steps, p.series, values, present))
     return out
