@@ -51,6 +51,7 @@ def fresh_database(backend: str, directory: Path) -> Iterator[str]:
         admin.dispose()
 
 
+ROLLUP_WAIT_S = 30.0  # the bound on the rollup worker catching up (a round takes 0.5-3 s)
 ASYNC_TABLES = ("anomalies", "rank_rollup_packs", "step_rollups", "rollup_marks")
 
 
@@ -91,6 +92,13 @@ class Collector:
 
     def counts(self) -> dict[str, int]:
         return table_counts(self.database_url)
+
+    def wait_rolled_up(self, timeout_s: float = ROLLUP_WAIT_S) -> None:
+        """Wait until the rollup worker has rolled up every batch acknowledged so far (it is handed each
+        batch's steps before the answer): a late batch for steps below the watermark reaches the
+        rollup-backed views (means, amax) only with the worker's next round (README "Reads while the
+        worker lags")."""
+        assert self.server.app.state.rollups.wait_idle(timeout_s), "the rollup worker did not catch up"
 
     def close(self) -> None:
         self.http.close()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gzip
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -12,8 +11,6 @@ import pytest
 
 from stepwatch_server.ingest.example import EXAMPLE_BATCH
 from tests.service.conftest import Collector, make_batch, steps_batch
-
-LATE_BATCH_ROLLUP_S = 30.0  # the bound on the rollup worker's next round (it takes 0.5-3 s)
 
 
 def _series(c: Collector, run: str, metric: str, **params: Any) -> dict[int, tuple[list[int], list[Any]]]:
@@ -194,16 +191,9 @@ def test_mean_over_ranks_and_spike_survives_downsampling(collector: Collector) -
     assert len(steps_1) <= 200 and 500.0 in values_1 and 7_777 in steps_1
     assert steps_1 == sorted(steps_1)
     # The mean comes from the rollups. If the worker rolled up rank 0's steps before rank 1's batch
-    # arrived, rank 1's is a late batch below the watermark: in the mean after the worker's next round
-    # (0.5-3 s, README "Reads while the worker lags"), so wait for that, boundedly.
-    deadline = time.monotonic() + LATE_BATCH_ROLLUP_S
-    while True:
-        mean = collector.get(f"/api/v1/runs/{run}/series", metric="loss", rank="mean", max_points=200)[
-            "series"
-        ]
-        if 250.5 in mean[0]["values"] or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+    # arrived, rank 1's is a late batch below the watermark: in the mean after the worker's next round.
+    collector.wait_rolled_up()
+    mean = collector.get(f"/api/v1/runs/{run}/series", metric="loss", rank="mean", max_points=200)["series"]
     assert mean[0]["rank"] == "mean" and 250.5 in mean[0]["values"] and 1.5 in mean[0]["values"]
     one = _series(collector, run, "loss", rank=0, max_points=100)
     assert list(one) == [0] and len(one[0][0]) <= 100

@@ -61,23 +61,12 @@ def _count(engine: Engine, table: Any, run_id: int, where: Any = None) -> int:
         return int(conn.execute(query).scalar_one())
 
 
-def _rolled_up(collector: Collector, run: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        curve = collector.get(f"/api/v1/runs/{run}/series", metric="loss", rank="mean")["series"][0]
-        if curve["steps"] and curve["steps"][-1] == NEW_STEPS[-1]:
-            time.sleep(1.0)  # the worker's last transaction (the watermark) is in; the rank levels too
-            return
-        assert time.monotonic() < deadline, curve
-        time.sleep(0.2)
-
-
 def test_raw_data_older_than_the_setting_leaves_once_rolled_up_and_the_curves_keep_it(
     start_collector: Callable[..., Collector], engine: Engine
 ) -> None:
     collector = start_collector()
     _feed(collector, "long")
-    _rolled_up(collector, "long")
+    collector.wait_rolled_up()
     with engine.connect() as conn:
         run_id = conn.execute(select(Run.id).where(Run.name == "long")).scalar_one()
     before = collector.get("/api/v1/runs/long")
@@ -122,8 +111,7 @@ def test_expiry_waits_for_the_rollups_and_removes_whole_runs_not_heard_from(
     collector = start_collector(detection=False)
     _feed(collector, "quiet")
     _feed(collector, "busy")
-    _rolled_up(collector, "quiet")
-    _rolled_up(collector, "busy")
+    collector.wait_rolled_up()
     month_ago = dt.datetime.now(dt.UTC) - dt.timedelta(days=31)
     with engine.begin() as conn:
         quiet = conn.execute(select(Run.id).where(Run.name == "quiet")).scalar_one()
