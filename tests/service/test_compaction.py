@@ -334,7 +334,7 @@ def test_a_run_silent_for_a_day_has_its_newest_steps_compacted_and_may_resume(
     _age(engine, 1.1)
     moved = worker.compact_once()
     with engine.connect() as conn:
-        assert conn.execute(select(Run.compacted_to)).scalar_one() == 511  # the end of the last bucket
+        assert conn.execute(select(Run.compacted_to)).scalar_one() == STEPS - 1  # the last step a block holds
         assert conn.execute(select(func.count()).select_from(StepRecord)).scalar_one() == 0
         assert conn.execute(select(func.count()).select_from(StepRollup)).scalar_one() == 0
     assert moved > 0 and _count(engine, Point) == 0
@@ -351,9 +351,17 @@ def test_a_run_silent_for_a_day_has_its_newest_steps_compacted_and_may_resume(
     event.listen(engine, "before_cursor_execute", listen)
     try:
         assert worker.compact_once() == 0
+        moved_again = list(statements)
+        statements.clear()
+        with (
+            engine.connect() as conn
+        ):  # the steps after the last one (the views' newest, above the watermark)
+            ids = list(conn.execute(select(Series.id)).scalars())
+            assert queries.read_values(conn, ids, None, STEPS, None)[0].size == 0
     finally:
         event.remove(engine, "before_cursor_execute", listen)
-    assert statements and not [s for s in statements if "points" in s]  # moved once: not looked at again
+    assert moved_again and not [s for s in moved_again if "points" in s]  # moved once: not looked at again
+    assert not [s for s in statements if "FROM blocks" in s]  # past the last step a block holds: none read
 
     # The run resumes: rank 1's new session sends steps 400..449 into the compacted, part-filled bucket.
     resumed = _batch(1, range(STEPS, STEPS + 50), "compact-1-resumed", 0, incarnation=2)
@@ -366,6 +374,8 @@ def test_a_run_silent_for_a_day_has_its_newest_steps_compacted_and_may_resume(
     _age(engine, 2.0)
     assert worker.compact_once() == 50 * 6 + 5  # the new steps' six metrics and five amax values
     assert _count(engine, Point) == 0
+    with engine.connect() as conn:
+        assert conn.execute(select(Run.compacted_to)).scalar_one() == STEPS + 49
     _same(raw_resumed, _raw(engine))
     assert _views(collector) == views_resumed
 

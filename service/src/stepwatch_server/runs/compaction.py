@@ -209,7 +209,8 @@ class CompactionWorker(BackgroundWorker):
             if moved or times[0].size:
                 held = _held(conn, due.run_id, ranks, first, last)
                 # A block already there: its values first (a row re-sent later does not replace them).
-                new = blocks.encode_rows(blocks.join([held, rows, times]))
+                values = blocks.join([held, rows, times])
+                new = blocks.encode_rows(values)
                 conn.execute(
                     delete(ValueBlock).where(
                         ValueBlock.run_id == due.run_id,
@@ -225,8 +226,11 @@ class CompactionWorker(BackgroundWorker):
                 with self._lock:
                     self.values_moved += moved
                     self.blocks_written += len(new)
-                if (blocks.compacted_to(conn, due.run_id) or -1) < hi:  # reads look for blocks up to here
-                    conn.execute(update(Run).where(Run.id == due.run_id).values(compacted_to=hi))
+                # Reads look for blocks up to here: the highest step a block holds, not the window's end (an
+                # idle run's last bucket ends past its last step; a read of the steps after it reads no block).
+                held_to = int(values[2].max())
+                if (blocks.compacted_to(conn, due.run_id) or -1) < held_to:
+                    conn.execute(update(Run).where(Run.id == due.run_id).values(compacted_to=held_to))
             if finishes:  # every rank's values of these buckets are in blocks: their step rollups go to packs
                 packed = step_packs.pack(conn, due.ids, lo, hi)
                 with self._lock:
