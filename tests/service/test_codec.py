@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from stepwatch_server.storage.codec import Block, CorruptBlock, decode, decode_many, encode
+from stepwatch_server.storage.codec import Block, CorruptBlock, decode, decode_flat, decode_many, encode
 from tests.conftest import require_module
 from tests.service.conftest import generated
 
@@ -93,6 +93,30 @@ def test_blocks_decoded_together_come_back_as_each_alone(many: list[Block]) -> N
         _assert_same(block, got)
     with pytest.raises(CorruptBlock):
         decode_many([encode(block) for block in many] + [b"not a block"])
+
+
+@generated(100)
+@hypothesis.given(many=st.lists(blocks(), max_size=6), picks=st.lists(st.integers(0, 11), max_size=4))
+def test_blocks_decoded_as_columns_hold_each_present_value_at_its_series_and_step(
+    many: list[Block], picks: list[int]
+) -> None:
+    """`decode_flat`: every present value of every block (or of the series asked for), bit for bit, with its
+    block, series and step, block by block, each block's rows in their order and each row in step order;
+    nothing for an absent value."""
+    ids = sorted({int(b.series[i]) for b in many for i in picks if i < b.series.size})
+    for wanted in (None, np.array(ids, dtype=np.int64)):
+        flat = decode_flat([encode(block) for block in many], wanted)
+        expected = [
+            (b, int(block.series[r]), int(block.steps[c]), int(_bits(block.values[r, c : c + 1])[0]))
+            for b, block in enumerate(many)
+            for r, c in zip(*np.nonzero(block.present), strict=True)
+            if wanted is None or int(block.series[r]) in ids
+        ]
+        columns = (flat.block, flat.series, flat.step, _bits(flat.value))
+        assert list(zip(*(c.tolist() for c in columns), strict=True)) == expected
+        assert flat.sizes.tolist() == [sum(1 for e in expected if e[0] == b) for b in range(len(many))]
+    with pytest.raises(CorruptBlock):
+        decode_flat([encode(block) for block in many] + [b"not a block"])
 
 
 def test_the_special_values_in_rows_of_each_width_come_back() -> None:

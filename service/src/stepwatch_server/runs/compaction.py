@@ -291,4 +291,4 @@ def _held(conn: Connection, run_id: int, ranks: list[int], first: int, last: int
             ValueBlock.bucket <= last,
         )
     ).all()
-    return blocks.join(blocks.decode_rows(found))
+    return blocks.decode_rows(found)

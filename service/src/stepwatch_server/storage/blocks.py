@@ -18,7 +18,7 @@ import numpy as np
 from sqlalchemy import Connection, bindparam, func, select, text
 
 from stepwatch_server.storage.chunks import chunk_size, chunks
-from stepwatch_server.storage.codec import Block, decode_many, encode
+from stepwatch_server.storage.codec import Block, decode_flat, encode
 from stepwatch_server.storage.models import Run, ValueBlock
 
 # A block's bucket of steps. Wide enough that SQLite's overflow pages (a row over ~1 KB spills into 4 KiB
@@ -94,29 +94,19 @@ def encode_rows(cols: Columns) -> list[dict[str, Any]]:
     return rows
 
 
-def decode_row(rank: int, incarnation: int, data: bytes) -> Columns:
-    """A block row's values as columns, series by series in step order."""
-    return decode_rows([(rank, incarnation, data)])[0]
+def decode_row(rank: int, incarnation: int, data: bytes, wanted: np.ndarray | None = None) -> Columns:
+    """A block row's values (of series `wanted`, sorted ids; None: all) as columns, series by series in step
+    order."""
+    return decode_rows([(rank, incarnation, data)], wanted)
 
 
-def decode_rows(found: Sequence[tuple[Any, Any, Any]]) -> list[Columns]:
-    """Block rows (rank, incarnation, data) as columns each (`decode_row`), decoded together
-    (codec.decode_many)."""
-    out = []
-    for (rank, incarnation, _), block in zip(found, decode_many([bytes(d) for *_, d in found]), strict=True):
-        m, n = block.present.shape
-        keep = block.present.ravel()
-        count = int(keep.sum())
-        out.append(
-            [
-                np.repeat(block.series, n)[keep],
-                np.full(count, int(rank), dtype=np.int64),
-                np.tile(block.steps, m)[keep],
-                np.full(count, int(incarnation), dtype=np.int64),
-                block.values.ravel()[keep],
-            ]
-        )
-    return out
+def decode_rows(found: Sequence[tuple[Any, Any, Any]], wanted: np.ndarray | None = None) -> Columns:
+    """Block rows (rank, incarnation, data) as columns (of series `wanted`, sorted ids; None: all), decoded
+    together (codec.decode_flat): block by block, each block's series by series in step order."""
+    flat = decode_flat([bytes(d) for *_, d in found], wanted)
+    ranks = np.array([int(rank) for rank, *_ in found], dtype=np.int64)
+    incarnations = np.array([int(inc) for _, inc, _ in found], dtype=np.int64)
+    return [flat.series, ranks[flat.block], flat.step, incarnations[flat.block], flat.value]
 
 
 _COMPACTED = text(
@@ -201,17 +191,16 @@ def _run_columns(
         q = q.where(ValueBlock.rank == rank)
     elif ranks is not None:
         q = q.where(ValueBlock.rank.in_(list(ranks)))
-    parts = []
-    for cols in decode_rows(conn.execute(q).all()):
-        keep = np.isin(cols[0], wanted)
-        if first is not None:
-            keep &= cols[2] >= first
-        if last is not None:
-            keep &= cols[2] <= last
-        parts.append([c[keep] for c in cols])
-    return join(parts)
+    cols = decode_rows(conn.execute(q).all(), wanted)
+    keep = np.ones(cols[0].size, dtype=bool)
+    if first is not None:
+        keep &= cols[2] >= first
+    if last is not None:
+        keep &= cols[2] <= last
+    return [c[keep] for c in cols]
 
 
+_STEP_TIMES = np.array([STEP_TIMES], dtype=np.int64)
 SCAN_BLOCKS = 64  # blocks a query reads when a rank's blocks are scanned in step order
 
 
@@ -242,8 +231,8 @@ def last_step_before(
         if not page:
             break
         for _, incarnation, data in page:
-            sid, _, step, _, ts = decode_row(rank, int(incarnation), bytes(data))
-            at = (sid == STEP_TIMES) & (step > after) & (step <= hi)
+            _, _, step, _, ts = decode_row(rank, int(incarnation), bytes(data), _STEP_TIMES)
+            at = (step > after) & (step <= hi)
             order = np.argsort(step[at], kind="stable")
             step, ts = step[at][order], ts[at][order]
             late = np.flatnonzero(~(ts < cutoff))  # a NaN time counts as late

@@ -351,7 +351,7 @@ def decode(data: bytes) -> Block:
 @dataclass(slots=True)
 class _Parsed:
     """A block's header and its rows' coded words, per class of row (float32, float64, decimal), before the
-    rows' transforms are undone (`decode_many` undoes them for many blocks at once). The few per-row facts
+    rows' transforms are undone (`_flat_values` undoes them for many blocks at once). The few per-row facts
     are Python lists: numpy's calls cost more than they save on a pack's five rows."""
 
     steps: np.ndarray
@@ -428,20 +428,95 @@ def _parse(data: bytes) -> _Parsed:
     return _Parsed(steps, series, present, per_row, rows, transforms, [scale[r] for r in rows[2]], coded)
 
 
+@dataclass(frozen=True, slots=True)
+class Flat:
+    """Many blocks' present values as columns: block by block (`block`: its index among those decoded),
+    each block's rows in their order, each row's values in step order; `sizes`: the values of each block."""
+
+    block: np.ndarray  # int64
+    series: np.ndarray  # int64
+    step: np.ndarray  # int64
+    value: np.ndarray  # float64
+    sizes: np.ndarray  # int64, one per block
+
+
 def decode_many(datas: Sequence[bytes]) -> list[Block]:
-    """The blocks `encode` made, decoded together: each block's header is read on its own, its rows'
-    transforms are undone for all the blocks at once (a few numpy calls for the lot, not for each block:
-    a read of hundreds of packs or blocks pays about half of decoding them one by one). CorruptBlock when
-    one of `datas` is not a block."""
+    """The blocks `encode` made, decoded together (`_flat_values`). CorruptBlock when one of `datas` is not
+    a block."""
     parsed = [_parse(d) for d in datas]
-    pieces: list[list[np.ndarray]] = [[] for _ in parsed]  # per block: its values, class by class
+    values, _ = _flat_values(parsed)
+    out = []
+    at = 0
+    for p in parsed:
+        m, n = len(p.per_row), p.steps.size
+        count = sum(p.per_row)
+        if p.present is None:
+            present, block_values = np.ones((m, n), dtype=bool), values[at : at + count].reshape(m, n)
+        else:  # the present values are row major, as the bitmap is
+            present, block_values = p.present, np.zeros((m, n), dtype=np.float64)
+            block_values[present] = values[at : at + count]
+        out.append(Block(p.steps, p.series, block_values, present))
+        at += count
+    return out
+
+
+def decode_flat(datas: Sequence[bytes], wanted: np.ndarray | None = None) -> Flat:
+    """The present values of the blocks `encode` made, as columns (`Flat`), decoded together: no numpy call
+    per block beyond reading its header (and one for a block with absent values). `wanted` (sorted series
+    ids): only those series' rows are decoded past their header (a heatmap of one metric reads one row of
+    each block). CorruptBlock when one of `datas` is not a block."""
+    parsed = [_parse(d) for d in datas]
+    row_series = np.concatenate([p.series for p in parsed]) if parsed else np.zeros(0, dtype=np.int64)
+    keep = None if wanted is None else np.isin(row_series, wanted)
+    values, row_len = _flat_values(parsed, keep)
+    rows_of = np.array([len(p.per_row) for p in parsed], dtype=np.int64)
+    first_row = _starts(rows_of)
+    block_of_row = np.repeat(np.arange(len(parsed), dtype=np.int64), rows_of)
+    sizes = np.bincount(block_of_row, weights=row_len, minlength=len(parsed)).astype(np.int64)
+    if not values.size:
+        none = np.zeros(0, dtype=np.int64)
+        return Flat(none, none, none, values, sizes)
+    series = np.repeat(row_series, row_len)
+    block = np.repeat(np.arange(len(parsed), dtype=np.int64), sizes)
+    position = np.arange(values.size, dtype=np.int64) - np.repeat(_starts(row_len), row_len)  # in its row
+    starts = _starts(sizes)
+    for b, p in enumerate(parsed):
+        if p.present is not None and sizes[b]:  # rows with absent values: the steps of their present ones
+            rows = (
+                p.present if keep is None else p.present[keep[first_row[b] : first_row[b] + len(p.per_row)]]
+            )
+            position[starts[b] : starts[b] + sizes[b]] = np.nonzero(rows)[1]
+    step_starts = _starts(np.array([p.steps.size for p in parsed], dtype=np.int64))
+    steps = np.concatenate([p.steps for p in parsed])
+    return Flat(block, series, steps[step_starts[block] + position], values, sizes)
+
+
+def _flat_values(parsed: Sequence[_Parsed], keep: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The blocks' present values, block by block, each block's rows in their order, each row's values in
+    step order; and the values each row holds (every block's rows in that order). `keep` (one per row, in
+    that order): only those rows are decoded, the others hold no value here. Each block's header is read on
+    its own (`_parse`); the rows' transforms are undone for all the blocks at once, a few numpy calls a class
+    of row for the lot, and each class's values put where their rows go."""
+    coded_len = np.array([n for p in parsed for n in p.per_row], dtype=np.int64)
+    row_len = coded_len if keep is None else np.where(keep, coded_len, 0)
+    row_start = _starts(row_len)  # where each row's values go
+    first_row = _starts(np.array([len(p.per_row) for p in parsed], dtype=np.int64))
+    out = np.zeros(int(row_len.sum()), dtype=np.float64)
     for kind, dtype in enumerate(_CLASSES):
-        sizes = [p.coded[kind].size for p in parsed]
-        lengths = np.array([p.per_row[r] for p in parsed for r in p.rows[kind]], dtype=np.int64)
-        if not lengths.size:
+        mine_rows = np.array(
+            [int(first_row[b]) + r for b, p in enumerate(parsed) for r in p.rows[kind]], dtype=np.int64
+        )
+        if not mine_rows.size:
             continue
+        lengths = coded_len[mine_rows]
         coded = np.concatenate([p.coded[kind] for p in parsed])
         transforms = np.array([t for p in parsed for t in p.transforms[kind]], dtype=np.int64)
+        taken = None if keep is None or keep[mine_rows].all() else keep[mine_rows]
+        if taken is not None:
+            coded, lengths = coded[np.repeat(taken, lengths)], lengths[taken]
+            transforms, mine_rows = transforms[taken], mine_rows[taken]
+            if not mine_rows.size:
+                continue
         owner = np.repeat(np.arange(lengths.size), lengths)
         words = np.zeros(coded.size, dtype=dtype)
         for t in (XOR, DELTA, DELTA2):
@@ -455,18 +530,7 @@ def decode_many(datas: Sequence[bytes]) -> list[Block]:
             values = words.view(np.float64)
         else:  # k / 10**d: the float nearest the decimal, as the encoder checked
             scale = np.array([d for p in parsed for d in p.scales], dtype=np.int64)
+            scale = scale if taken is None else scale[taken]
             values = words.view(np.int64) / (10.0 ** (scale - 1))[owner]
-        for piece_list, piece in zip(pieces, np.split(values, np.cumsum(sizes)[:-1]), strict=True):
-            piece_list.append(piece)
-    out = []
-    for p, got in zip(parsed, pieces, strict=True):
-        m, n = len(p.per_row), p.steps.size
-        order = [r for mine in p.rows for r in mine]  # the rows in the order their values came
-        joined = np.concatenate(got) if got else np.zeros(0, dtype=np.float64)
-        present = np.ones((m, n), dtype=bool) if p.present is None else p.present
-        in_order = np.zeros((m, n), dtype=np.float64)  # the rows as their values came, then put back
-        in_order[present[order]] = joined
-        values = np.zeros((m, n), dtype=np.float64)
-        values[order] = in_order
-        out.append(Block(p.steps, p.series, values, present))
-    return out
+        out[np.repeat(row_start[mine_rows] - _starts(lengths), lengths) + np.arange(coded.size)] = values
+    return out, row_len
