@@ -48,6 +48,11 @@ def test_a_pack_gives_back_every_figure_bit_for_bit() -> None:
     block = codec.Block(np.arange(3), np.arange(2), np.zeros((2, 3)), np.ones((2, 3), dtype=bool))
     with pytest.raises(codec.CorruptBlock, match="2 rows, expected 5"):
         rank_packs.decode(codec.encode(block))  # a value block, not a pack
+    present = np.ones((5, 3), dtype=bool)
+    present[2, 1] = False
+    holed = codec.Block(np.arange(3), np.arange(5), np.zeros((5, 3)), present)
+    with pytest.raises(codec.CorruptBlock, match="a rank without all of its figures"):
+        rank_packs.decode_many([rank_packs.encode(np.arange(2), _figures(rng, 2)), codec.encode(holed)])
 
 
 def test_packs_are_written_per_bucket_and_read_back_per_rank(database_url: str) -> None:

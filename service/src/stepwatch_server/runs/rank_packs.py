@@ -49,16 +49,32 @@ def decode(data: bytes) -> tuple[np.ndarray, list[np.ndarray]]:
 
 
 def decode_many(datas: Sequence[bytes]) -> list[tuple[np.ndarray, list[np.ndarray]]]:
-    """`decode` of each of `datas`, decoded together (codec.decode_many)."""
+    """`decode` of each of `datas`, decoded together (codec.decode_many: packs are small and whole, so the
+    blocks' matrices cost less here than codec.decode_flat's columns)."""
     out = []
     for block in codec.decode_many(datas):
-        if block.values.shape[0] != len(FIGURES) or not block.present.all():
+        if block.values.shape[0] != len(FIGURES):
             raise codec.CorruptBlock(
                 f"rank rollup pack: {block.values.shape[0]} rows, expected {len(FIGURES)}"
             )
+        if not block.present.all():
+            raise codec.CorruptBlock("rank rollup pack: a rank without all of its figures")
         n, total, lo, hi, nonfinite = block.values
         out.append((block.steps, [n.astype(np.int64), total, lo, hi, nonfinite.astype(np.int64)]))
     return out
+
+
+def unpack_keyed(found: Sequence[Sequence[Any]]) -> tuple[list[np.ndarray], np.ndarray, list[np.ndarray]]:
+    """Rows (*keys, data) of packs -> (each key column, one entry per rank of each pack; the ranks (or steps,
+    for a step rollup pack); the five figure columns), pack by pack."""
+    decoded = decode_many([bytes(row[-1]) for row in found])
+    sizes = [ranks.size for ranks, _ in decoded]
+    width = len(found[0]) - 1 if found else 0
+    keys = [np.repeat(np.array([row[i] for row in found], dtype=np.int64), sizes) for i in range(width)]
+    if not decoded:
+        return keys, np.zeros(0, dtype=np.int64), empty()[4:]
+    ranks = np.concatenate([r for r, _ in decoded])
+    return keys, ranks, [np.concatenate([f[i] for _, f in decoded]) for i in range(len(FIGURES))]
 
 
 def group_starts(keys: Sequence[np.ndarray]) -> np.ndarray:
@@ -104,8 +120,6 @@ def write(conn: Connection, level: int, cols: list[np.ndarray]) -> None:
     order = np.lexsort((rank, inc, bucket, sid))
     sid, rank, bucket, inc = sid[order], rank[order], bucket[order], inc[order]
     figures = [c[order] for c in cols[4:]]
-    starts = group_starts([sid, bucket, inc]).tolist()
-    ends = [*starts[1:], int(sid.size)]
     rows = [
         {
             "series_id": int(sid[a]),
@@ -113,12 +127,24 @@ def write(conn: Connection, level: int, cols: list[np.ndarray]) -> None:
             "bucket": int(bucket[a]),
             "incarnation": int(inc[a]),
             "ranks": b - a,
-            "data": encode(rank[a:b], [f[a:b] for f in figures]),
+            "data": data,
         }
-        for a, b in zip(starts, ends, strict=True)
+        for a, b, data in encode_groups([sid, bucket, inc], rank, figures)
     ]
     for i in range(0, len(rows), _INSERT_ROWS):
         conn.execute(insert(RankRollupPack), rows[i : i + _INSERT_ROWS])
+
+
+def encode_groups(
+    keys: Sequence[np.ndarray], positions: np.ndarray, figures: Sequence[np.ndarray]
+) -> list[tuple[int, int, bytes]]:
+    """One pack per run of equal `keys` in rows sorted by `keys`, then by `positions` (the ranks, or the
+    steps of a step rollup pack): (its first row, the row after its last, its bytes)."""
+    starts = group_starts(keys).tolist()
+    ends = [*starts[1:], int(positions.size)]
+    return [
+        (a, b, encode(positions[a:b], [f[a:b] for f in figures])) for a, b in zip(starts, ends, strict=True)
+    ]
 
 
 def remove(conn: Connection, ids: Sequence[int], level: int, lo: int, hi: int) -> None:
@@ -148,13 +174,7 @@ def unpack(found: Sequence[Any]) -> list[np.ndarray]:
     (series, rank, bucket, incarnation)."""
     if not found:
         return empty()
-    decoded = decode_many([bytes(data) for *_, data in found])
-    sizes = [d[0].size for d in decoded]
-    keys = [
-        np.repeat(np.array([row[i] for row in found], dtype=np.int64), sizes) for i in range(3)
-    ]  # series, bucket, incarnation
-    rank = np.concatenate([d[0] for d in decoded])
-    figures = [np.concatenate([d[1][i] for d in decoded]) for i in range(len(FIGURES))]
-    cols = [keys[0], rank, keys[1], keys[2], *figures]
-    order = np.lexsort((cols[3], cols[2], cols[1], cols[0]))
+    (sid, bucket, inc), rank, figures = unpack_keyed(found)
+    cols = [sid, rank, bucket, inc, *figures]
+    order = np.lexsort((inc, bucket, rank, sid))
     return [c[order] for c in cols]

@@ -27,6 +27,7 @@ from sqlalchemy import Connection, and_, delete, func, insert, literal, or_, sel
 
 from stepwatch_server.runs import rank_packs
 from stepwatch_server.runs.queries import fetch_chunked
+from stepwatch_server.storage import blocks
 from stepwatch_server.storage.blocks import BLOCK_STEPS
 from stepwatch_server.storage.chunks import chunk_size, chunks
 from stepwatch_server.storage.models import StepRollup, StepRollupPack
@@ -58,14 +59,14 @@ def pack(conn: Connection, ids: Sequence[int], first: int, last: int) -> int:
     held = read(
         conn, ids, first // BUCKET_STEPS * BUCKET_STEPS, (last // BUCKET_STEPS + 1) * BUCKET_STEPS - 1
     )
-    cols = _first_of_each([np.concatenate([r, h]) for r, h in zip(rows, held, strict=True)])  # rows first
+    cols = [np.concatenate([r, h]) for r, h in zip(rows, held, strict=True)]  # rows first: they win
+    kept = blocks.first_of_each(cols[0], cols[2], cols[3])  # one per (series, step, incarnation)
+    cols = [c[kept] for c in cols]
     sid, step, inc = cols[0], cols[2], cols[3]
     bucket = step // BUCKET_STEPS
     order = np.lexsort((step, inc, bucket, sid))
     sid, step, inc, bucket = sid[order], step[order], inc[order], bucket[order]
     figures = [c[order] for c in cols[4:]]
-    starts = rank_packs.group_starts([sid, bucket, inc]).tolist()
-    ends = [*starts[1:], int(sid.size)]
     counted = figures[0] + figures[4]  # n + nonfinite: the values each step sums
     packs = [
         {
@@ -75,9 +76,9 @@ def pack(conn: Connection, ids: Sequence[int], first: int, last: int) -> int:
             "first_step": int(step[a]),
             "last_step": int(step[b - 1]),
             "n_values": int(counted[a:b].sum()),
-            "data": rank_packs.encode(step[a:b], [f[a:b] for f in figures]),
+            "data": data,
         }
-        for a, b in zip(starts, ends, strict=True)
+        for a, b, data in rank_packs.encode_groups([sid, bucket, inc], step, figures)
     ]
     _remove(conn, ids, first // BUCKET_STEPS, last // BUCKET_STEPS)
     for i in range(0, len(packs), _INSERT_PACKS):
@@ -86,14 +87,6 @@ def pack(conn: Connection, ids: Sequence[int], first: int, last: int) -> int:
     for part in chunks(sorted(ids), chunk_size(conn, fixed=2)):
         conn.execute(delete(r).where(r.series_id.in_(part), r.step >= first, r.step <= last))
     return len(packs)
-
-
-def _first_of_each(cols: list[np.ndarray]) -> list[np.ndarray]:
-    """Columns with one row per (series, step, incarnation): the first given of each."""
-    keys = np.stack([cols[0], cols[2], cols[3]], axis=1)
-    _, first = np.unique(keys, axis=0, return_index=True)
-    first.sort()
-    return [c[first] for c in cols]
 
 
 def unpack(conn: Connection, ids: Sequence[int], first: int, last: int) -> None:
@@ -148,12 +141,7 @@ def _read_packs(conn: Connection, ids: Sequence[int], where: list[Any], params: 
         ).all()
     if not found:
         return rank_packs.empty()
-    decoded = rank_packs.decode_many([bytes(data) for *_, data in found])
-    sizes = [steps.size for steps, _ in decoded]
-    sid = np.repeat(np.array([row[0] for row in found], dtype=np.int64), sizes)
-    inc = np.repeat(np.array([row[1] for row in found], dtype=np.int64), sizes)
-    step = np.concatenate([steps for steps, _ in decoded])
-    figures = [np.concatenate([f[i] for _, f in decoded]) for i in range(len(_FIGURES))]
+    (sid, inc), step, figures = rank_packs.unpack_keyed(found)
     cols = [sid, np.full(sid.size, ALL_RANKS, dtype=np.int64), step, inc, *figures]
     order = np.lexsort((inc, step, sid))
     return [c[order] for c in cols]

@@ -59,6 +59,13 @@ def _groups(*keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return order, np.flatnonzero(change)
 
 
+def first_of_each(*keys: np.ndarray) -> np.ndarray:
+    """The index of the first row of each distinct tuple of `keys` (columns of one length), in row order."""
+    _, first = np.unique(np.stack(keys, axis=1), axis=0, return_index=True)
+    first.sort()
+    return first
+
+
 def encode_rows(cols: Columns) -> list[dict[str, Any]]:
     """Block rows (rank, bucket, incarnation, n_values, data; no run id) of the values in `cols`. Where
     the same (series, rank, step, incarnation) is given twice the first one is kept (`points` keeps
@@ -66,8 +73,7 @@ def encode_rows(cols: Columns) -> list[dict[str, Any]]:
     sid, rank, step, inc, value = cols
     if sid.size == 0:
         return []
-    _, first = np.unique(np.stack([sid, rank, step, inc], axis=1), axis=0, return_index=True)
-    first.sort()
+    first = first_of_each(sid, rank, step, inc)
     sid, rank, step, inc, value = sid[first], rank[first], step[first], inc[first], value[first]
     bucket = step // BLOCK_STEPS
     order, starts = _groups(rank, bucket, inc)
