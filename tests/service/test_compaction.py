@@ -174,6 +174,8 @@ def _views(collector: Collector) -> dict[str, Any]:
         )
     out["late"] = collector.get("/api/v1/runs/compact/heatmap", metric="time.late_ms", buckets=20)
     out["steps"] = collector.get("/api/v1/runs/compact/steps", **big)  # the step end times
+    runs = collector.get("/api/v1/dashboard/runs")["runs"]
+    out["step rate"] = next(r["step_rate"] for r in runs if r["name"] == "compact")  # from the newest times
     return out
 
 

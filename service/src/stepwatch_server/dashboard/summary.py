@@ -1,8 +1,9 @@
 """The runs overview: every run with its health verdict, size, progress, pace and open anomalies.
 
-Four bulk queries for all runs together (no query per run): the run and rank summary of the read
+Five bulk queries for all runs together (no query per run): the run and rank summary of the read
 API (`runs.queries.run_summaries`), the anomalies grouped by run, status and severity, the
-recent step timestamps of each run's lowest rank, from which the step rate is taken, and the ranks
+recent step timestamps of each run's lowest rank, from which the step rate is taken (its rows, and the
+blocks of a run whose newest steps are compacted, decoded together), and the ranks
 whose agent closed its session after its last step (a run all of whose ranks did is finished). The verdict
 follows the health rule of detect/routes.py: the worst severity among the open anomalies.
 """
@@ -12,14 +13,18 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+import numpy as np
 from sqlalchemy import Connection, and_, func, select
 
 from stepwatch_server.detect.verdict import verdict as verdict_of
 from stepwatch_server.runs import queries
-from stepwatch_server.storage.models import Anomaly, Event, Rank, Run, StepRecord
+from stepwatch_server.storage import blocks
+from stepwatch_server.storage.blocks import BLOCK_STEPS
+from stepwatch_server.storage.models import Anomaly, Event, Rank, Run, StepRecord, ValueBlock
 
 RATE_WINDOW_STEPS = 100  # the step rate is measured over at most this many recent steps
 LIVE_WINDOW_S = 30.0  # a run heard from within this many seconds is shown as live
+_TIMES = np.array([blocks.STEP_TIMES], dtype=np.int64)
 
 
 def _anomaly_counts(conn: Connection) -> dict[int, dict[str, Any]]:
@@ -45,33 +50,77 @@ def _anomaly_counts(conn: Connection) -> dict[int, dict[str, Any]]:
 
 
 def _step_rates(conn: Connection) -> dict[int, float]:
-    """Steps per second over each run's last RATE_WINDOW_STEPS steps, on its lowest rank."""
+    """Steps per second over each run's last RATE_WINDOW_STEPS steps, on its lowest rank, from its step end
+    times: the `steps` rows, and the blocks where the run's newest steps are compacted (a run silent for a
+    day: runs/compaction.py)."""
     lowest = select(Rank.run_id, func.min(Rank.rank).label("rank")).group_by(Rank.run_id).subquery()
+    window = and_(
+        lowest.c.run_id == Rank.run_id, lowest.c.rank == Rank.rank, Rank.last_step.is_not(None)
+    )  # the lowest rank of each run, its current incarnation and newest step
     rows = conn.execute(
         select(
             StepRecord.run_id,
-            func.min(StepRecord.step).label("first"),
-            func.max(StepRecord.step).label("last"),
-            func.min(StepRecord.ts).label("first_ts"),
-            func.max(StepRecord.ts).label("last_ts"),
+            func.min(StepRecord.step),
+            func.max(StepRecord.step),
+            func.min(StepRecord.ts),
+            func.max(StepRecord.ts),
         )
-        .join(lowest, and_(lowest.c.run_id == StepRecord.run_id, lowest.c.rank == StepRecord.rank))
-        .join(
-            Rank,
-            and_(
-                Rank.run_id == StepRecord.run_id,
-                Rank.rank == StepRecord.rank,
-                Rank.incarnation == StepRecord.incarnation,
-            ),
+        .join(Rank, and_(Rank.run_id == StepRecord.run_id, Rank.rank == StepRecord.rank))
+        .join(lowest, window)
+        .where(
+            StepRecord.incarnation == Rank.incarnation, StepRecord.step > Rank.last_step - RATE_WINDOW_STEPS
         )
-        .where(StepRecord.step > Rank.last_step - RATE_WINDOW_STEPS)
         .group_by(StepRecord.run_id)
-    )
+    ).all()
+    found = {int(run_id): (int(a), int(b), float(ta), float(tb)) for run_id, a, b, ta, tb in rows}
+    for run_id, spans in _compacted_spans(conn, lowest, window).items():
+        found[run_id] = _merge([*spans, *([found[run_id]] if run_id in found else [])])
     return {
-        r.run_id: (r.last - r.first) / (r.last_ts - r.first_ts)
-        for r in rows
-        if r.last > r.first and r.last_ts > r.first_ts
+        run_id: (last - first) / (last_ts - first_ts)
+        for run_id, (first, last, first_ts, last_ts) in found.items()
+        if last > first and last_ts > first_ts
     }
+
+
+def _compacted_spans(
+    conn: Connection, lowest: Any, window: Any
+) -> dict[int, list[tuple[int, int, float, float]]]:
+    """Per run whose newest steps reach into its blocks, (first step, last step, first time, last time) of
+    the step end times its blocks hold in the window, one per block: one query and one decode for every run."""
+    found = conn.execute(
+        select(ValueBlock.run_id, Rank.last_step, ValueBlock.incarnation, ValueBlock.data)
+        .join(Rank, and_(Rank.run_id == ValueBlock.run_id, Rank.rank == ValueBlock.rank))
+        .join(lowest, window)
+        .join(Run, Run.id == ValueBlock.run_id)
+        .where(
+            ValueBlock.incarnation == Rank.incarnation,
+            Run.compacted_to > Rank.last_step - RATE_WINDOW_STEPS,
+            ValueBlock.bucket >= (Rank.last_step - RATE_WINDOW_STEPS + 1) // BLOCK_STEPS,
+        )
+    ).all()
+    # The blocks' step end times, each tagged with its block's index (in the column decode_rows gives the rank).
+    _, owner, step, _, ts = blocks.decode_rows(
+        [(i, inc, data) for i, (_, _, inc, data) in enumerate(found)], _TIMES
+    )
+    out: dict[int, list[tuple[int, int, float, float]]] = {}
+    for i, (run_id, last_step, *_) in enumerate(found):
+        last = int(last_step or 0)  # not NULL: `window`
+        mine = (owner == i) & (step > last - RATE_WINDOW_STEPS) & (step <= last)
+        if mine.any():
+            s, t = step[mine], ts[mine]
+            out.setdefault(int(run_id), []).append(
+                (int(s.min()), int(s.max()), float(t.min()), float(t.max()))
+            )
+    return out
+
+
+def _merge(spans: list[tuple[int, int, float, float]]) -> tuple[int, int, float, float]:
+    return (
+        min(s[0] for s in spans),
+        max(s[1] for s in spans),
+        min(s[2] for s in spans),
+        max(s[3] for s in spans),
+    )
 
 
 def _ended(conn: Connection) -> dict[int, int]:
