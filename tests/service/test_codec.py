@@ -225,6 +225,11 @@ def test_a_truncated_or_padded_block_is_refused() -> None:
     for bad in (raw[:-3], raw + b"\x00"):
         with pytest.raises(CorruptBlock):
             decode(zstandard.ZstdCompressor().compress(bad))
+    modes = 1 + 2 + 4 + 2 + 1  # version, n and m, four steps, two series, the presence byte
+    for mode in (0x05, 0x38):  # a width of 5 bytes; a transform past DELTA2
+        bad = raw[:modes] + bytes([mode]) + raw[modes + 1 :]
+        with pytest.raises(CorruptBlock, match="mode"):
+            decode(zstandard.ZstdCompressor().compress(bad))
 
 
 def test_threads_encode_and_decode_at_once() -> None:

@@ -367,6 +367,11 @@ class _Parsed:
 _CLASSES: tuple[type[np.unsignedinteger], ...] = (np.uint32, _U64, _U64)  # float32, float64, decimal rows
 
 
+_NO_WORDS = {dtype: np.zeros(0, dtype=dtype) for dtype in _CLASSES}
+# 1 for a mode byte this version does not write: a width other than 4 or 8, or a transform past DELTA2.
+_BAD_MODES = bytes(int((b & 0x0F) not in (4, 8) or (b >> 4) > DELTA2) for b in range(256))
+
+
 def _parse(data: bytes) -> _Parsed:
     try:
         raw = _zstd()[1].decompress(data, max_output_size=MAX_BLOCK_BYTES)
@@ -381,10 +386,14 @@ def _parse(data: bytes) -> _Parsed:
         raise CorruptBlock(f"block: {m} x {n} values in {len(raw)} bytes")
     steps = np.zeros(0, dtype=np.int64)
     if n:
-        gaps, pos = _read_varints(buf, pos, n)
-        step_gaps = gaps.view(np.int64) + 1  # each gap was written minus one, the first step as it is
-        step_gaps[0] -= 1
-        steps = np.cumsum(step_gaps)
+        (first,), at = _varint_list(raw, pos, 1)
+        if first < 2**62 and raw[at : at + n - 1] == bytes(n - 1):  # consecutive steps (the common case)
+            steps, pos = np.arange(first, first + n, dtype=np.int64), at + n - 1
+        else:
+            gaps, pos = _read_varints(buf, pos, n)
+            step_gaps = gaps.view(np.int64) + 1  # each gap was written minus one, the first step as it is
+            step_gaps[0] -= 1
+            steps = np.cumsum(step_gaps)
     series = np.zeros(0, dtype=np.int64)
     if m:
         deltas, pos = _read_varints(buf, pos, m)
@@ -400,7 +409,7 @@ def _parse(data: bytes) -> _Parsed:
         pos += size
     pos += 1
     modes = raw[pos : pos + m]
-    if len(modes) < m or any((b & 0x0F) not in (4, 8) or (b >> 4) > DELTA2 for b in modes):
+    if len(modes) < m or modes.translate(_BAD_MODES).count(1):
         raise CorruptBlock("block: a row's mode is not one this version writes")
     pos += m
     scale = bytes(m)
@@ -416,7 +425,10 @@ def _parse(data: bytes) -> _Parsed:
         rows[0 if (b & 0x0F) == 4 else 2 if d else 1].append(r)
     coded = []
     for dtype, mine in zip(_CLASSES, rows, strict=True):
-        count = sum(per_row[r] for r in mine)
+        if not mine:
+            coded.append(_NO_WORDS[dtype])
+            continue
+        count = n * len(mine) if present is None else sum(per_row[r] for r in mine)
         width = np.dtype(dtype).itemsize
         if len(raw) < pos + count * width:
             raise CorruptBlock("block: ends inside its values")
