@@ -11,9 +11,10 @@ resume, its new steps are rows in a compacted bucket (as a late value is, below)
 or moves on past the bucket, and the bucket is written again with them. Each transaction moves at most
 `max_values` values (a window of buckets, or of ranks within one bucket; one rank's block at least):
 it reads the rows, writes their blocks (merged with a block already there: a late value re-sent after
-an interrupted pass), deletes the rows and raises the run's `compacted_to`, the highest step a block
-may hold (what reads and roll-ups look at before reading blocks); the transaction that finishes a bucket for
-every rank also moves its step rollups into packs (runs/step_packs.py). Reads are whole between any two
+an interrupted pass), deletes the rows and raises the run's `compacted_to` to the highest step a block
+holds (what reads and roll-ups look at before reading blocks: a read of the steps above it reads none);
+the transaction that finishes a bucket for every rank also moves its step rollups into packs
+(runs/step_packs.py). Reads are whole between any two
 transactions, and ingest's writes get SQLite's lock between them (BACKLOG_PAUSE_S). A worker that
 starts (or did not finish a bucket for every rank) begins again at the bucket holding `compacted_to`,
 whose rows some ranks may still hold.
