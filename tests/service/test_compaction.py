@@ -382,6 +382,33 @@ def test_a_run_silent_for_a_day_has_its_newest_steps_compacted_and_may_resume(
     assert _views(collector) == views_resumed
 
 
+def test_the_runs_overview_keeps_each_runs_step_rate_once_compacted_to_its_end(
+    start_collector: Callable[..., Collector], engine: Engine
+) -> None:
+    """The runs list's step rate comes from the newest step end times of each run's lowest rank: from the
+    blocks once a run is compacted to its end, run by run (two runs, two paces)."""
+    collector = start_collector(compact_after_steps=0)
+    _feed(collector)  # "compact": a step every 0.4123456789 s
+    for start in range(0, 300, 50):
+        other = _batch(0, range(start, start + 50), "other-rank-0", start)
+        other["run"], other["timestamps"] = "other", [T0 + 0.25 * s for s in range(start, start + 50)]
+        answer = collector.post(other)
+        assert answer.status_code == 200, answer.text
+    collector.wait_rolled_up()
+
+    def rates() -> dict[str, float]:
+        return {r["name"]: r["step_rate"] for r in collector.get("/api/v1/dashboard/runs")["runs"]}
+
+    assert rates() == {"compact": pytest.approx(1 / 0.4123456789), "other": pytest.approx(4.0)}
+    then = dt.datetime.now(dt.UTC) - dt.timedelta(days=2)
+    with write_transaction(engine) as conn:  # both silent for two days
+        conn.execute(update(Run).values(last_seen_at=then))
+        conn.execute(update(Rank).values(last_seen_at=then))
+    CompactionWorker(engine, after_steps=AFTER).compact_once()
+    assert _count(engine, StepRecord) == 0 and _count(engine, Point) == 0
+    assert rates() == {"compact": pytest.approx(1 / 0.4123456789), "other": pytest.approx(4.0)}
+
+
 def test_the_median_step_time_from_the_step_end_times_reads_the_blocks_too(
     start_collector: Callable[..., Collector], engine: Engine
 ) -> None:

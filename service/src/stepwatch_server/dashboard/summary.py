@@ -73,8 +73,8 @@ def _step_rates(conn: Connection) -> dict[int, float]:
         .group_by(StepRecord.run_id)
     ).all()
     found = {int(run_id): (int(a), int(b), float(ta), float(tb)) for run_id, a, b, ta, tb in rows}
-    for run_id, spans in _compacted_spans(conn, lowest, window).items():
-        found[run_id] = _merge([*spans, *([found[run_id]] if run_id in found else [])])
+    for run_id, span in _compacted_spans(conn, lowest, window).items():
+        found[run_id] = _merge([span, found[run_id]]) if run_id in found else span
     return {
         run_id: (last - first) / (last_ts - first_ts)
         for run_id, (first, last, first_ts, last_ts) in found.items()
@@ -82,11 +82,9 @@ def _step_rates(conn: Connection) -> dict[int, float]:
     }
 
 
-def _compacted_spans(
-    conn: Connection, lowest: Any, window: Any
-) -> dict[int, list[tuple[int, int, float, float]]]:
+def _compacted_spans(conn: Connection, lowest: Any, window: Any) -> dict[int, tuple[int, int, float, float]]:
     """Per run whose newest steps reach into its blocks, (first step, last step, first time, last time) of
-    the step end times its blocks hold in the window, one per block: one query and one decode for every run."""
+    the step end times its blocks hold in the window: one query and one decode for every run."""
     found = conn.execute(
         select(ValueBlock.run_id, Rank.last_step, ValueBlock.incarnation, ValueBlock.data)
         .join(Rank, and_(Rank.run_id == ValueBlock.run_id, Rank.rank == ValueBlock.rank))
@@ -98,20 +96,27 @@ def _compacted_spans(
             ValueBlock.bucket >= (Rank.last_step - RATE_WINDOW_STEPS + 1) // BLOCK_STEPS,
         )
     ).all()
+    if not found:
+        return {}
     # The blocks' step end times, each tagged with its block's index (in the column decode_rows gives the rank).
     _, owner, step, _, ts = blocks.decode_rows(
         [(i, inc, data) for i, (_, _, inc, data) in enumerate(found)], _TIMES
     )
-    out: dict[int, list[tuple[int, int, float, float]]] = {}
-    for i, (run_id, last_step, *_) in enumerate(found):
-        last = int(last_step or 0)  # not NULL: `window`
-        mine = (owner == i) & (step > last - RATE_WINDOW_STEPS) & (step <= last)
-        if mine.any():
-            s, t = step[mine], ts[mine]
-            out.setdefault(int(run_id), []).append(
-                (int(s.min()), int(s.max()), float(t.min()), float(t.max()))
-            )
-    return out
+    last = np.array([int(row[1] or 0) for row in found], dtype=np.int64)[owner]  # not NULL: `window`
+    keep = (step > last - RATE_WINDOW_STEPS) & (step <= last)
+    run_of = np.array([int(row[0]) for row in found], dtype=np.int64)[owner][keep]
+    runs, which = np.unique(run_of, return_inverse=True)
+    step, ts = step[keep], ts[keep]
+    spans = [np.full(runs.size, np.iinfo(np.int64).max), np.full(runs.size, np.iinfo(np.int64).min)]
+    times = [np.full(runs.size, np.inf), np.full(runs.size, -np.inf)]
+    np.minimum.at(spans[0], which, step)
+    np.maximum.at(spans[1], which, step)
+    np.minimum.at(times[0], which, ts)
+    np.maximum.at(times[1], which, ts)
+    return {
+        int(r): (int(spans[0][i]), int(spans[1][i]), float(times[0][i]), float(times[1][i]))
+        for i, r in enumerate(runs.tolist())
+    }
 
 
 def _merge(spans: list[tuple[int, int, float, float]]) -> tuple[int, int, float, float]:
