@@ -32,7 +32,6 @@ from stepwatch_server.storage import make_engine, upgrade, write_transaction
 from stepwatch_server.storage.models import (
     Point,
     Rank,
-    RollupMark,
     Run,
     Series,
     StepRecord,
@@ -124,23 +123,6 @@ def _feed(collector: Collector) -> None:
     assert answer.status_code == 200, answer.text
 
 
-def _rolled_up(engine: Engine, last: int = STEPS - 1) -> None:
-    """Wait for the rollup worker's watermark to reach step `last` (and its round to finish)."""
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        with engine.connect() as conn:
-            mark = conn.execute(
-                select(RollupMark.rolled_to)
-                .join(Run, Run.id == RollupMark.run_id)
-                .where(Run.name == "compact")
-            ).scalar()
-        if mark is not None and mark >= last:
-            time.sleep(0.5)  # the coarser levels are written in the same transaction; the next round is idle
-            return
-        assert time.monotonic() < deadline, mark
-        time.sleep(0.2)
-
-
 def _raw(engine: Engine) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
     """Every (series, rank)'s raw series as the collector reads it: steps, and values as their bits."""
     with engine.connect() as conn:
@@ -196,7 +178,7 @@ def test_compacted_values_read_back_bit_for_bit_in_every_view(
 ) -> None:
     collector = start_collector(compact_after_steps=0)  # this test runs the worker itself
     _feed(collector)
-    _rolled_up(engine)
+    collector.wait_rolled_up()
     raw_before, views_before = _raw(engine), _views(collector)
     rows_before = _count(engine, Point)
 
@@ -248,12 +230,12 @@ def test_a_late_value_for_a_compacted_step_is_read_with_its_block_and_rolled_up(
 ) -> None:
     collector = start_collector(compact_after_steps=0)
     _feed(collector)
-    _rolled_up(engine)
+    collector.wait_rolled_up()
     CompactionWorker(engine, after_steps=AFTER).compact_once()
 
     late = _batch(1, LATE, "compact-1", 50)
     assert collector.post(late).status_code == 200
-    time.sleep(2.0)  # the rollup worker's rounds (every ~0.5 s) take the late steps in
+    collector.wait_rolled_up()  # the rollup worker takes the late steps in
     series = collector.get("/api/v1/runs/compact/series", metric="loss", rank="1", max_points=10_000)
     steps = series["series"][0]["steps"]
     assert [s for s in steps if s < 30] == [s for s in range(30) if s != 80]  # the block's and the late ones
@@ -290,7 +272,7 @@ def test_a_restart_inside_compacted_buckets_reads_the_same_from_the_packs(
             answer = collector.post(_batch(rank, range(start, start + 50), f"packed-{rank}", start))
             assert answer.status_code == 200, answer.text
     assert collector.post(_batch(0, range(100, 131), "packed-0-again", 0, incarnation=2)).status_code == 200
-    _rolled_up(engine, 599)
+    collector.wait_rolled_up()
     before = _views(collector)
     worker = CompactionWorker(engine, after_steps=0)
     worker.compact_once()
@@ -322,7 +304,7 @@ def test_a_run_silent_for_a_day_has_its_newest_steps_compacted_and_may_resume(
     after that is read with the blocks and compacted again when the run falls silent again."""
     collector = start_collector(compact_after_steps=0)
     _feed(collector)
-    _rolled_up(engine)
+    collector.wait_rolled_up()
     views_before, raw_before = _views(collector), _raw(engine)
     medians = [r["median_step_ms"] for r in collector.get("/api/v1/runs/compact/ranks")["ranks"]]
     assert None not in medians
@@ -368,7 +350,7 @@ def test_a_run_silent_for_a_day_has_its_newest_steps_compacted_and_may_resume(
     # The run resumes: rank 1's new session sends steps 400..449 into the compacted, part-filled bucket.
     resumed = _batch(1, range(STEPS, STEPS + 50), "compact-1-resumed", 0, incarnation=2)
     assert collector.post(resumed).status_code == 200
-    _rolled_up(engine, STEPS + 49)
+    collector.wait_rolled_up()
     assert worker.compact_once() == 0  # heard from again: nothing is far enough behind
     loss = collector.get("/api/v1/runs/compact/series", metric="loss", rank="1", max_points=10_000)
     assert loss["series"][0]["steps"][-50:] == list(range(STEPS, STEPS + 50))
@@ -421,7 +403,7 @@ def test_the_median_step_time_from_the_step_end_times_reads_the_blocks_too(
             batch = _batch(rank, range(start, start + 50), f"times-only-{rank}", start)
             batch["metrics"] = {"loss": batch["metrics"]["loss"]}
             assert collector.post(batch).status_code == 200
-    _rolled_up(engine, 299)
+    collector.wait_rolled_up()
 
     def medians() -> list[float]:
         return [r["median_step_ms"] for r in collector.get("/api/v1/runs/compact/ranks")["ranks"]]
@@ -446,7 +428,7 @@ def test_expiry_and_deletion_remove_the_blocks(
             ]
             answer = collector.post(batch)
             assert answer.status_code == 200, answer.text
-    _rolled_up(engine)
+    collector.wait_rolled_up()
     CompactionWorker(engine, after_steps=AFTER).compact_once()
     stored = collector.get("/api/v1/runs/compact")["stored_values"]
     assert _count(engine, ValueBlock) == 2
@@ -480,7 +462,7 @@ def test_expiry_finds_its_horizon_in_the_step_times_of_the_blocks(
                 (now - 10 * 86_400.0 if s <= COMPACTED_TO else now - 600.0) + s for s in batch["steps"]
             ]
             assert collector.post(batch).status_code == 200
-    _rolled_up(engine)
+    collector.wait_rolled_up()
     CompactionWorker(engine, after_steps=AFTER).compact_once()
     assert _count(engine, ValueBlock) == 2
     steps = collector.get("/api/v1/runs/compact/steps", rank="1", max_points=10_000)["series"][0]
@@ -500,7 +482,7 @@ def test_values_written_before_compaction_existed_are_converted_with_every_value
     did); turning it on moves them in the background, a window at a time, and reads stay the same."""
     collector = start_collector(compact_after_steps=0)
     _feed(collector)
-    _rolled_up(engine)
+    collector.wait_rolled_up()
     before, views = _raw(engine), _views(collector)
     worker = CompactionWorker(
         engine, after_steps=AFTER, max_values=500

@@ -65,14 +65,14 @@ def decode_many(datas: Sequence[bytes]) -> list[tuple[np.ndarray, list[np.ndarra
 
 
 def unpack_keyed(found: Sequence[Sequence[Any]]) -> tuple[list[np.ndarray], np.ndarray, list[np.ndarray]]:
-    """Rows (*keys, data) of packs -> (each key column, one entry per rank of each pack; the ranks (or steps,
-    for a step rollup pack); the five figure columns), pack by pack."""
+    """Rows (*keys, data) of packs, at least one -> (each key column, one entry per rank of each pack; the ranks
+    (or steps, for a step rollup pack); the five figure columns), pack by pack."""
     decoded = decode_many([bytes(row[-1]) for row in found])
     sizes = [ranks.size for ranks, _ in decoded]
-    width = len(found[0]) - 1 if found else 0
-    keys = [np.repeat(np.array([row[i] for row in found], dtype=np.int64), sizes) for i in range(width)]
-    if not decoded:
-        return keys, np.zeros(0, dtype=np.int64), empty()[4:]
+    keys = [
+        np.repeat(np.array([row[i] for row in found], dtype=np.int64), sizes)
+        for i in range(len(found[0]) - 1)
+    ]
     ranks = np.concatenate([r for r, _ in decoded])
     return keys, ranks, [np.concatenate([f[i] for _, f in decoded]) for i in range(len(FIGURES))]
 
