@@ -111,7 +111,7 @@ def write_run(
 
     from stepwatch_server.ingest.store import insert_points
     from stepwatch_server.runs.rollup_worker import RollupWorker
-    from stepwatch_server.storage import make_engine
+    from stepwatch_server.storage import make_engine, write_transaction
     from stepwatch_server.storage.models import Rank, RollupMark, Run, Series, StepRecord
 
     engine = make_engine(database_url)
@@ -158,32 +158,30 @@ def write_run(
             "mem.allocated_mb": 30_000.0 + 0.01 * s,
         }
         amax_steps = s[s % AMAX_EVERY == 0]
-        with engine.begin() as conn:
-            for r in range(ranks):
-                rows: list[tuple[int, int, int, int, float]] = []
-                for metric, values in base.items():
-                    noise = rng.standard_normal(n) if metric != "lr" else None
-                    if noise is None:
-                        v = values
-                    elif metric == "mem.allocated_mb" and memory_noise == "real":
-                        granules = np.round((values + MEMORY_JITTER_MB * noise) * 2**20 / ALLOCATOR_BYTES)
-                        v = granules * ALLOCATOR_BYTES / 2**20
-                    else:
-                        v = values * (1.0 + 0.02 * noise)
-                    if metric == "time.forward_ms" and r == ranks // 3:
-                        v = v * np.where(s >= steps // 4, 1.3, 1.0)  # the straggler
-                    v = _as_sent(metric, v)
-                    if metric == "time.step_ms":
-                        ends = clock[r] + np.cumsum(v) / 1000.0
-                        clock[r] = ends[-1]
-                    rows.extend(zip([ids[metric]] * n, [r] * n, s.tolist(), [1] * n, v.tolist(), strict=True))
-                for i in range(modules):
-                    v = _as_sent("amax", (10.0 + i) * (1.0 + 0.05 * rng.standard_normal(amax_steps.shape[0])))
-                    k = amax_steps.shape[0]
-                    sid = ids[f"layers.{i}.mlp.fc1"]
-                    rows.extend(
-                        zip([sid] * k, [r] * k, amax_steps.tolist(), [1] * k, v.tolist(), strict=True)
-                    )
+        for r in range(ranks):  # one transaction per rank, queued on the write lock as ingest's are
+            rows: list[tuple[int, int, int, int, float]] = []
+            for metric, values in base.items():
+                noise = rng.standard_normal(n) if metric != "lr" else None
+                if noise is None:
+                    v = values
+                elif metric == "mem.allocated_mb" and memory_noise == "real":
+                    granules = np.round((values + MEMORY_JITTER_MB * noise) * 2**20 / ALLOCATOR_BYTES)
+                    v = granules * ALLOCATOR_BYTES / 2**20
+                else:
+                    v = values * (1.0 + 0.02 * noise)
+                if metric == "time.forward_ms" and r == ranks // 3:
+                    v = v * np.where(s >= steps // 4, 1.3, 1.0)  # the straggler
+                v = _as_sent(metric, v)
+                if metric == "time.step_ms":
+                    ends = clock[r] + np.cumsum(v) / 1000.0
+                    clock[r] = ends[-1]
+                rows.extend(zip([ids[metric]] * n, [r] * n, s.tolist(), [1] * n, v.tolist(), strict=True))
+            for i in range(modules):
+                v = _as_sent("amax", (10.0 + i) * (1.0 + 0.05 * rng.standard_normal(amax_steps.shape[0])))
+                k = amax_steps.shape[0]
+                sid = ids[f"layers.{i}.mlp.fc1"]
+                rows.extend(zip([sid] * k, [r] * k, amax_steps.tolist(), [1] * k, v.tolist(), strict=True))
+            with write_transaction(engine) as conn:  # the rows were built outside: the lock is held to write
                 insert_points(conn, rows)
                 points += len(rows)
                 conn.execute(

@@ -10,7 +10,7 @@ import datetime as dt
 import logging
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -205,3 +205,80 @@ def test_stop_does_not_spend_its_deadline_retrying_a_failing_range(engine: Engin
     worker.stop(deadline_s=5.0)
     assert time.monotonic() - started < 2.0 and not worker.running
     assert worker.stats()["errors"] == 1 and worker.stats()["dirty_runs"] == 1
+
+
+def _hold_the_write_lock(database_url: str) -> Callable[[], None]:
+    """Another writer that holds the database: SQLite's write lock (BEGIN IMMEDIATE on a connection of its
+    own), or PostgreSQL's EXCLUSIVE lock on `step_rollups` (reads go on, writes wait). The release."""
+    holder = make_engine(database_url)
+    if holder.dialect.name == "sqlite":
+        raw = sqlite3.connect(str(holder.url.database), isolation_level=None)
+        raw.execute("BEGIN IMMEDIATE")
+        holder.dispose()
+
+        def release_sqlite() -> None:
+            raw.rollback()
+            raw.close()
+
+        return release_sqlite
+    conn = holder.connect()
+    conn.begin()
+    conn.execute(text("LOCK TABLE step_rollups IN EXCLUSIVE MODE"))
+
+    def release() -> None:
+        conn.rollback()
+        conn.close()
+        holder.dispose()
+
+    return release
+
+
+def _short_lock_waits(dbapi_connection: Any, _record: Any) -> None:
+    """The worker gives up waiting for a lock after 50 ms (SQLite's busy timeout, PostgreSQL's lock_timeout)
+    instead of 30 s (SQLite) or never (PostgreSQL)."""
+    cursor = dbapi_connection.cursor()
+    if isinstance(dbapi_connection, sqlite3.Connection):
+        cursor.execute("PRAGMA busy_timeout = 50")
+    else:
+        cursor.execute("SET lock_timeout = '50ms'")
+    cursor.close()
+
+
+def test_a_database_held_by_another_writer_is_waited_out_never_skipped_past(
+    engine: Engine, database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another process holds the database for longer than the worker waits for a lock, over more than
+    rollup_worker.MAX_ROUND_FAILURES tries: the worker backs off and retries, never gives the range up (a
+    gap in the rollups of steps whose values are all there), and rolls all of it up once the lock is
+    released. (On PostgreSQL the worker's plan reads and its writes wait, the way a round meets a writer
+    that takes the lock between the two; on SQLite the round's first BEGIN IMMEDIATE waits.)"""
+    event.listen(engine, "connect", _short_lock_waits)
+    engine.dispose()  # connections opened from now on wait 50 ms for a lock
+    run_id, (sid,) = _run(engine, "contended", 1, world_size=2)
+    _points(engine, sid, 0, 255)
+    release = _hold_the_write_lock(database_url)
+    worker = RollupWorker(engine, retry_first_s=0.05).start()
+    skipped_before = _skipped()
+    try:
+        with caplog.at_level(logging.WARNING, logger="stepwatch_server"):
+            worker.submit(run_id, 0, 255)
+            deadline = time.monotonic() + CATCH_UP_S
+            tries = rollup_worker.MAX_ROUND_FAILURES + 2
+            while worker.stats()["errors"] < tries and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert worker.stats()["errors"] >= tries
+            assert worker.stats()["skipped_ranges"] == 0 and worker.stats()["backing_off_runs"] == 1
+            release()
+            release = lambda: None  # noqa: E731 (released once)
+            while _mark(engine, sid) < 255 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert _mark(engine, sid) == 255 and worker.stats()["skipped_ranges"] == 0
+        assert _skipped() == skipped_before
+        messages = [r.getMessage() for r in caplog.records]
+        assert not [m for m in messages if "gave up on" in m or "could not skip" in m], messages
+        with engine.connect() as conn:
+            rolled = set(conn.execute(select(StepRollup.step).where(StepRollup.series_id == sid)).scalars())
+        assert rolled == set(range(256))
+    finally:
+        release()
+        worker.stop()

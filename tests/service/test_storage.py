@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import inspect, select
+from sqlalchemy import event, inspect, select, text
+from sqlalchemy.exc import DBAPIError
 
 from stepwatch_server.ingest import BatchWriter, parse_batch
-from stepwatch_server.storage import make_engine, upgrade
+from stepwatch_server.storage import make_engine, upgrade, write_transaction
+from stepwatch_server.storage.engine import database_busy
 from stepwatch_server.storage.migrate import alembic_config, migrations_dir
 from stepwatch_server.storage.models import ALL_TABLES, Base, Point
 from tests.service.conftest import ASYNC_TABLES, Collector, make_batch, steps_batch, table_counts
@@ -326,3 +329,35 @@ def test_bulk_columns_refuse_what_their_column_types_cannot_hold() -> None:
         insert.typed([[1], [1, 2], [1.0]])
     with pytest.raises(ValueError, match="2 columns given, 3 expected"):
         insert.typed([[1], [1]])
+
+
+def test_database_busy_tells_another_writers_lock_from_a_failing_statement(database_url: str) -> None:
+    """A statement that waited for another connection's lock longer than it may (SQLite's busy timeout,
+    PostgreSQL's lock_timeout) is contention (`database_busy`); a statement that fails by itself is not."""
+    engine = make_engine(database_url)
+    holder = make_engine(database_url)
+    sqlite = engine.dialect.name == "sqlite"
+
+    @event.listens_for(engine, "connect")
+    def _wait_50_ms(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.execute("PRAGMA busy_timeout = 50" if sqlite else "SET lock_timeout = '50ms'")
+
+    try:
+        upgrade(engine)
+        engine.dispose()
+        with holder.connect() as held:
+            if sqlite:
+                held.exec_driver_sql("COMMIT")  # leave the autobegun transaction, to take the write lock
+                held.exec_driver_sql("BEGIN IMMEDIATE")
+            else:
+                held.execute(text("LOCK TABLE runs IN EXCLUSIVE MODE"))
+            with pytest.raises(DBAPIError) as busy, write_transaction(engine) as conn:
+                conn.execute(text("DELETE FROM runs"))
+            held.rollback()
+        assert database_busy(busy.value)
+        with pytest.raises(DBAPIError) as broken, write_transaction(engine) as conn:
+            conn.execute(text("SELECT no_such_column FROM runs"))
+        assert not database_busy(broken.value)
+    finally:
+        holder.dispose()
+        engine.dispose()

@@ -25,8 +25,10 @@ the watermark passes it and the run's later steps are rolled up. The views read 
 mean curve, the amax, a long run's heatmap, `rank=all` over a wide range) leave the skipped steps
 out (a gap where a point or column holds nothing else); their raw points are kept, and a later
 batch for those steps has them rolled up again.
-A lost connection counts toward the backoff only, and a range is skipped only when the skip itself
-commits: a database that cannot be written is waited out, not skipped past.
+A lost connection, or a lock held by another writer for longer than the worker waits for it (SQLite's
+busy timeout, PostgreSQL's lock_timeout where one is set: `storage.engine.database_busy`), counts toward
+the backoff only, and a range is skipped only when the skip itself commits: a database that cannot be
+written is waited out, not skipped past.
 At stop the thread rolls up what is dirty for at most `STOP_DEADLINE_S` (not the runs backing off).
 """
 
@@ -43,7 +45,7 @@ from sqlalchemy.exc import DBAPIError
 from stepwatch_server.background import BackgroundWorker
 from stepwatch_server.metrics import rollup_failed, rollup_skipped
 from stepwatch_server.runs import rollups
-from stepwatch_server.storage.engine import write_transaction
+from stepwatch_server.storage.engine import database_busy, write_transaction
 from stepwatch_server.storage.models import Run
 
 log = logging.getLogger(__name__)
@@ -241,7 +243,7 @@ class RollupWorker(BackgroundWorker):
         elif trouble.first != start:
             trouble.first, trouble.failures = start, 0
         lost_connection = isinstance(exc, DBAPIError) and exc.connection_invalidated
-        if not lost_connection:  # an outage is waited out, never skipped
+        if not (lost_connection or database_busy(exc)):  # an outage or another writer is waited out
             trouble.failures += 1
         if planned is not None and trouble.failures >= MAX_ROUND_FAILURES and self._skip(planned, exc):
             if planned.last_step >= trouble.until:

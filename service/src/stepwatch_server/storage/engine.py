@@ -25,6 +25,9 @@ from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+_SQLITE_BUSY_CODES = frozenset({5, 6})  # SQLITE_BUSY, SQLITE_LOCKED (an extended code's low byte)
+# PostgreSQL: serialization_failure, deadlock_detected, lock_not_available (lock_timeout)
+_PG_CONTENTION_STATES = frozenset({"40001", "40P01", "55P03"})
 _SQLITE_WRITE_LOCK = threading.Lock()  # one writer per process and database file is all SQLite allows
 _BEGIN_OPTION = "stepwatch_sqlite_begin"
 
@@ -35,6 +38,17 @@ def normalise_url(url: str) -> str:
         if url.startswith(prefix):
             return "postgresql+psycopg://" + url[len(prefix) :]
     return url
+
+
+def database_busy(error: BaseException) -> bool:
+    """Whether `error` says another writer held what a statement needed for longer than it waited (SQLite
+    busy or locked; PostgreSQL a lock timeout, a deadlock broken or a serialization failure): contention,
+    which passes, as opposed to a statement that fails the same way each time it runs."""
+    orig = getattr(error, "orig", None)
+    code = getattr(orig, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in _SQLITE_BUSY_CODES
+    return getattr(orig, "sqlstate", None) in _PG_CONTENTION_STATES
 
 
 def is_sqlite(engine: Engine | Connection) -> bool:
