@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from sqlalchemy import Engine, event, func, insert, select, update
+from sqlalchemy import Engine, event, func, insert, select, text, update
 
 from stepwatch_server.cli import build_parser
 from stepwatch_server.ingest.store import insert_points
@@ -28,7 +28,7 @@ from stepwatch_server.runs.compaction import CompactionWorker
 from stepwatch_server.runs.deletion import delete_run, find
 from stepwatch_server.runs.expiry import ExpiryWorker
 from stepwatch_server.settings import Settings
-from stepwatch_server.storage import make_engine, upgrade, write_transaction
+from stepwatch_server.storage import blocks, make_engine, upgrade, write_transaction
 from stepwatch_server.storage.models import (
     Point,
     Rank,
@@ -565,3 +565,59 @@ def test_a_database_of_the_previous_schema_keeps_every_value_through_upgrade_and
             assert conn.execute(select(Run.compacted_to)).scalar_one() == 767
     finally:
         engine.dispose()
+
+
+def test_blocks_of_every_size_read_back_whole_and_postgresql_keeps_their_whole_toast_chunks_apart(
+    engine: Engine,
+) -> None:
+    """Blocks from a few bytes to ~16 KB (random float64 values, which zstd cannot shrink), written by
+    `blocks.insert_rows` and read back through `blocks.DATA`: the same bytes, and decoded the same values.
+    On PostgreSQL a block's whole TOAST chunks go to `tail`, stored out of line and uncompressed, and the
+    rest (under one chunk) stays in the row; SQLite keeps each block whole in `data`."""
+    now = dt.datetime.now(dt.UTC)
+    rng = np.random.default_rng(7)
+    sizes = [1, 3, 200, 249, 250, 251, 499, 500, 760, 1000, 2000]  # values in each block: ~8 bytes each
+    parts = []
+    for bucket, n in enumerate(sizes):  # bucket `bucket`, series 1, 2, ... of 256 steps each
+        at = np.arange(n, dtype=np.int64)
+        ones = np.ones(n, dtype=np.int64)
+        step = at % blocks.BLOCK_STEPS + bucket * blocks.BLOCK_STEPS
+        parts.append([at // blocks.BLOCK_STEPS + 1, 0 * ones, step, ones, rng.standard_normal(n)])
+    made = blocks.join(parts)
+    rows = blocks.encode_rows(made)
+    sent = {row["bucket"]: row["data"] for row in rows}
+    assert max(len(d) for d in sent.values()) > 4 * blocks.TOAST_CHUNK  # sizes across several chunks
+    with write_transaction(engine) as conn:
+        run_id = conn.execute(
+            insert(Run).values(name="sizes", world_size=1, created_at=now, last_seen_at=now).returning(Run.id)
+        ).scalar_one()
+        blocks.insert_rows(conn, run_id, rows)
+    with engine.connect() as conn:
+        stored = conn.execute(
+            select(ValueBlock.bucket, ValueBlock.data, ValueBlock.tail, blocks.DATA).order_by(
+                ValueBlock.bucket
+            )
+        ).all()
+    assert {b: bytes(whole) for b, _, _, whole in stored} == sent
+    back = blocks.decode_rows([(0, 1, bytes(whole)) for *_, whole in stored])
+    order, again = np.lexsort((made[2], made[0])), np.lexsort((back[2], back[0]))
+    for got, want in zip(back, made, strict=True):
+        assert np.array_equal(got[again], want[order])
+    postgres = engine.dialect.name == "postgresql"
+    for bucket, data, tail, _ in stored:
+        whole = len(sent[bucket])
+        if postgres and whole >= blocks.TOAST_CHUNK:
+            assert len(tail) % blocks.TOAST_CHUNK == 0 and len(data) == whole % blocks.TOAST_CHUNK
+        else:
+            assert tail is None and len(data) == whole
+    if postgres:
+        with engine.connect() as conn:
+            storage = dict(
+                conn.execute(
+                    text(
+                        "SELECT attname, attstorage FROM pg_attribute "
+                        "WHERE attrelid = 'blocks'::regclass AND attname IN ('data', 'tail')"
+                    )
+                ).all()
+            )
+        assert storage == {"data": "m", "tail": "e"}  # MAIN: kept in the row; EXTERNAL: out of line, as is

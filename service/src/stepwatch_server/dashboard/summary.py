@@ -86,7 +86,7 @@ def _compacted_spans(conn: Connection, lowest: Any, window: Any) -> dict[int, tu
     """Per run whose newest steps reach into its blocks, (first step, last step, first time, last time) of
     the step end times its blocks hold in the window: one query and one decode for every run."""
     found = conn.execute(
-        select(ValueBlock.run_id, Rank.last_step, ValueBlock.incarnation, ValueBlock.data)
+        select(ValueBlock.run_id, Rank.last_step, ValueBlock.incarnation, blocks.DATA)
         .join(Rank, and_(Rank.run_id == ValueBlock.run_id, Rank.rank == ValueBlock.rank))
         .join(lowest, window)
         .join(Run, Run.id == ValueBlock.run_id)

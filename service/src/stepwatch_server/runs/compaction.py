@@ -30,7 +30,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import Connection, Engine, bindparam, delete, func, insert, select, text, update
+from sqlalchemy import Connection, Engine, bindparam, delete, func, select, text, update
 from sqlalchemy.sql.elements import ColumnElement
 
 from stepwatch_server.background import BackgroundWorker
@@ -220,7 +220,7 @@ class CompactionWorker(BackgroundWorker):
                         ValueBlock.bucket <= last,
                     )
                 )
-                conn.execute(insert(ValueBlock), [{"run_id": due.run_id, **row} for row in new])
+                blocks.insert_rows(conn, due.run_id, new)
                 for part in chunks(due.ids, chunk_size(conn, fixed=len(ranks) + 2)):
                     conn.execute(_DELETE_POINTS, {"ids": list(part), "ranks": ranks, "first": lo, "last": hi})
                 conn.execute(delete(StepRecord).where(*_step_window(due.run_id, ranks, lo, hi)))
@@ -285,7 +285,7 @@ def _step_window(run_id: int, ranks: list[int], lo: int, hi: int) -> tuple[Colum
 def _held(conn: Connection, run_id: int, ranks: list[int], first: int, last: int) -> blocks.Columns:
     """The values of the blocks already in the window (none, but after an interrupted pass and a late value)."""
     found = conn.execute(
-        select(ValueBlock.rank, ValueBlock.incarnation, ValueBlock.data).where(
+        select(ValueBlock.rank, ValueBlock.incarnation, blocks.DATA).where(
             ValueBlock.run_id == run_id,
             ValueBlock.rank.in_(ranks),
             ValueBlock.bucket >= first,

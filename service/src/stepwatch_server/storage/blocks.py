@@ -15,7 +15,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, bindparam, func, select, text
+from sqlalchemy import Connection, LargeBinary, bindparam, func, insert, select, text
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.functions import FunctionElement
 
 from stepwatch_server.storage.chunks import chunk_size, chunks
 from stepwatch_server.storage.codec import Block, decode_flat, encode
@@ -27,6 +30,46 @@ from stepwatch_server.storage.models import Run, ValueBlock
 BLOCK_STEPS = 256
 
 Columns = list[np.ndarray]  # [series_id, rank, step, incarnation] int64, [value] float64
+
+# PostgreSQL stores a value over ~2 KB out of line in chunks of this many bytes (TOAST_MAX_CHUNK_SIZE with
+# its default 8 KB pages), four to a page; a block's last, part-filled chunk left a gap that no whole one
+# fits (a block of ~4.1 KB took 1.33 times its bytes). Its whole chunks go in `tail`, the rest in the row.
+TOAST_CHUNK = 1996
+
+
+class _BlockBytes(FunctionElement[bytes]):
+    """A block's bytes in a SELECT (`DATA`): `data || tail` where PostgreSQL split them, `data` on SQLite."""
+
+    type = LargeBinary()
+    inherit_cache = True
+
+
+@compiles(_BlockBytes)
+def _whole(element: _BlockBytes, compiler: SQLCompiler, **kw: Any) -> str:
+    return compiler.process(ValueBlock.data, **kw)
+
+
+@compiles(_BlockBytes, "postgresql")
+def _joined(element: _BlockBytes, compiler: SQLCompiler, **kw: Any) -> str:
+    data, tail = (compiler.process(c, **kw) for c in (ValueBlock.data, ValueBlock.tail))
+    return f"({data} || coalesce({tail}, ''::bytea))"
+
+
+DATA = _BlockBytes()
+
+
+def insert_rows(conn: Connection, run_id: int, rows: Sequence[dict[str, Any]]) -> None:
+    """Insert block rows (`encode_rows`) of run `run_id`, their bytes split as `ValueBlock` says."""
+    if not rows:
+        return
+    postgres = conn.dialect.name == "postgresql"
+    stored = []
+    for row in rows:
+        data = row["data"]
+        cut = len(data) % TOAST_CHUNK if postgres and len(data) >= TOAST_CHUNK else len(data)
+        stored.append({**row, "run_id": run_id, "data": data[:cut], "tail": data[cut:] or None})
+    conn.execute(insert(ValueBlock), stored)
+
 
 # A block also holds its steps' end times (the `steps` table's `ts`, Unix seconds), as the row of this series
 # id, which no `series` row has (ids start at 1). They are not values: `n_values` leaves them out.
@@ -188,7 +231,7 @@ def _run_columns(
     compacted_to)."""
     lo = 0 if first is None else max(0, first)
     hi = top if last is None else min(last, top)
-    q = select(ValueBlock.rank, ValueBlock.incarnation, ValueBlock.data).where(
+    q = select(ValueBlock.rank, ValueBlock.incarnation, DATA).where(
         ValueBlock.run_id == run_id,
         ValueBlock.bucket >= lo // BLOCK_STEPS,
         ValueBlock.bucket <= hi // BLOCK_STEPS,
@@ -224,7 +267,7 @@ def last_step_before(
     bucket = max(0, after + 1) // BLOCK_STEPS
     while bucket <= hi // BLOCK_STEPS:
         page = conn.execute(
-            select(ValueBlock.bucket, ValueBlock.incarnation, ValueBlock.data)
+            select(ValueBlock.bucket, ValueBlock.incarnation, DATA)
             .where(
                 ValueBlock.run_id == run_id,
                 ValueBlock.rank == rank,

@@ -168,7 +168,12 @@ class Point(Base):
 class ValueBlock(Base):
     """The values of one rank and incarnation over one bucket of BLOCK_STEPS (256) steps, every series of the
     run, compressed (storage/codec.py): the compact form `points` rows take once a run has moved on
-    (runs/compaction.py). `n_values`: how many values it holds."""
+    (runs/compaction.py). `n_values`: how many values it holds.
+
+    The block's bytes are `data` followed by `tail` (NULL: none). SQLite keeps them all in `data`. PostgreSQL
+    gets the largest whole number of TOAST chunks in `tail` (stored out of line uncompressed, four chunks to
+    a page) and the rest in `data` (kept in the row): a block stored whole left a part-filled last chunk that
+    cost ~30% more pages than its bytes (storage/blocks.py `insert_rows`, `DATA`)."""
 
     __tablename__ = "blocks"
     __table_args__ = ({"sqlite_with_rowid": False},)
@@ -181,6 +186,7 @@ class ValueBlock(Base):
     incarnation: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     n_values: Mapped[int]
     data: Mapped[bytes] = mapped_column(LargeBinary)
+    tail: Mapped[bytes | None] = mapped_column(LargeBinary)
 
 
 class RollupStats:
