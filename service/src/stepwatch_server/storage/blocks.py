@@ -46,12 +46,13 @@ class _BlockBytes(FunctionElement[bytes]):
 
 @compiles(_BlockBytes)
 def _whole(element: _BlockBytes, compiler: SQLCompiler, **kw: Any) -> str:
-    return compiler.process(ValueBlock.data, **kw)
+    return compiler.process(ValueBlock.__table__.c.data, **kw)
 
 
 @compiles(_BlockBytes, "postgresql")
 def _joined(element: _BlockBytes, compiler: SQLCompiler, **kw: Any) -> str:
-    data, tail = (compiler.process(c, **kw) for c in (ValueBlock.data, ValueBlock.tail))
+    table = ValueBlock.__table__.c
+    data, tail = (compiler.process(c, **kw) for c in (table.data, table.tail))
     return f"({data} || coalesce({tail}, ''::bytea))"
 
 
