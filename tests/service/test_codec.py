@@ -3,6 +3,7 @@ and a block that is not one refused by name."""
 
 from __future__ import annotations
 
+import math
 import struct
 import threading
 
@@ -59,6 +60,9 @@ def blocks(draw: st.DrawFn) -> Block:
     steps = np.cumsum([first, *gaps]).astype(np.int64)[:n]
     series = np.array(draw(st.lists(st.integers(-(2**40), 2**40), min_size=m, max_size=m)), dtype=np.int64)
     decimals = st.tuples(st.integers(-(2**53), 2**53), st.integers(0, 7)).map(lambda kd: kd[0] / 10 ** kd[1])
+    binary = st.tuples(st.integers(-(2**53), 2**53), st.integers(0, 1100)).map(
+        lambda ke: math.ldexp(ke[0], -ke[1])
+    )
     floats = st.one_of(
         st.sampled_from(SPECIAL),
         st.floats(allow_nan=True, allow_infinity=True, width=64),
@@ -66,8 +70,11 @@ def blocks(draw: st.DrawFn) -> Block:
         st.integers(-(2**53), 2**53).map(float),
         decimals,
     )
-    if draw(st.booleans()):  # rows of decimals only, as rounded timings are (and their near misses)
+    pick = draw(st.integers(0, 3))
+    if pick == 1:  # rows of decimals only, as rounded timings are (and their near misses)
         floats = st.one_of(decimals, decimals.map(lambda v: float(np.nextafter(v, np.inf))))
+    elif pick == 2:  # rows of binary fractions only, as memory in MiB is (and their near misses)
+        floats = st.one_of(binary, binary.map(lambda v: float(np.nextafter(v, np.inf))))
     values = np.array(draw(st.lists(floats, min_size=m * n, max_size=m * n)), dtype=np.float64).reshape(m, n)
     present = np.array(draw(st.lists(st.booleans(), min_size=m * n, max_size=m * n)), dtype=bool).reshape(
         m, n
@@ -179,28 +186,58 @@ def test_decimal_rows_cost_what_their_digits_hold() -> None:
     _assert_same(block, decode(encode(block)))
 
 
-# Written by the first version of the codec (no decimal rows): steps [3, 10, 17, 30], series [2, 5, 9],
-# a float32 row, a row of float64 specials (-0.0, a NaN payload, Inf) and a row with a missing value.
+def test_binary_fraction_rows_cost_what_their_bits_hold() -> None:
+    """Memory the agent sends in MiB from the allocator's byte counts (512-byte granules: k / 2**11): stored
+    as the integers k, not as float64 words whose significant bits straddle the byte planes. Measured when
+    written, a real run's allocated memory (~30 GB, moving a few MB a step): 2.1 bytes a value as integers,
+    2.6 as float words; a value one ulp off keeps its row exact as floats; subnormals and huge scales come
+    back too."""
+    rng = np.random.default_rng(2)
+    steps = np.arange(256, dtype=np.int64)
+    granules = np.round(30_013 * 2048 + rng.normal(0, 2048, (4, 256)))
+    rows = granules / 2048
+    costs = []
+    for values in (rows, rows * 2.0**-1000, rows * 2.0**-1060, rows * 2.0**900):
+        block = Block(steps, np.arange(4), values, np.ones_like(values, dtype=bool))
+        data = encode(block)
+        _assert_same(block, decode(data))
+        costs.append(len(data) / values.size)
+    assert costs[0] < 2.3
+    off = rows.copy()
+    off[1, 17] = np.nextafter(off[1, 17], np.inf)
+    block = Block(steps, np.arange(4), off, np.ones_like(off, dtype=bool))
+    _assert_same(block, decode(encode(block)))
+
+
+# Blocks written by earlier versions of the codec: steps [3, 10, 17, 30]; a float32 row, a row of float64
+# specials (-0.0, a NaN payload, Inf) and a row with a missing value, series [2, 5, 9]. Version 1: no
+# decimal rows. Version 2: no binary rows; a fourth row, series 11, of memory in MiB (multiples of 2**-11)
+# kept as float64 words.
 VERSION_1_BLOCK = bytes.fromhex(
     "28b52ffd20589d020084040104030306060c04060801ffd0142808000065990000669980a086197f0004fb3498c903718ffe33"
     "99cc003de9d40a7278d73ee9a38526b001b173199c002800347f0180004000000404016080018655ca"
 )
+VERSION_2_BLOCK = bytes.fromhex(
+    "28b52ffd207e1d030054050204040306060c0406080401ffdf1428081800000400000065990000669980a086197f0004fb3498c9"
+    "0300ff00ff3399cc00a05fa05f9462b6f89e00000073199c00ba0000007f0180008100000039036230002b000400e36600ce6025"
+    "32a44001"
+)
+_NAN_PAYLOAD = struct.unpack("<d", struct.pack("<Q", 0x7FF8000000000001))[0]
+_EARLIER_ROWS = [
+    [1.5, 2.25, float(np.float32(0.1)), -3.0],
+    [0.1, -0.0, _NAN_PAYLOAD, np.inf],
+    [12.345, 12.346, 0.0, 7.0],
+    [30013.1611328125, 30012.392578125, 30013.8193359375, 30011.87890625],
+]
 
 
-def test_a_block_of_the_first_version_still_decodes() -> None:
-    nan_payload = struct.unpack("<d", struct.pack("<Q", 0x7FF8000000000001))[0]
-    values = np.array(
-        [
-            [1.5, 2.25, float(np.float32(0.1)), -3.0],
-            [0.1, -0.0, nan_payload, np.inf],
-            [12.345, 12.346, 0.0, 7.0],
-        ]
-    )
+@pytest.mark.parametrize(("data", "rows"), [(VERSION_1_BLOCK, 3), (VERSION_2_BLOCK, 4)], ids=["v1", "v2"])
+def test_a_block_of_an_earlier_version_still_decodes(data: bytes, rows: int) -> None:
+    values = np.array(_EARLIER_ROWS[:rows])
     present = np.ones_like(values, dtype=bool)
     present[2, 2] = False
-    _assert_same(
-        Block(np.array([3, 10, 17, 30]), np.array([2, 5, 9]), values, present), decode(VERSION_1_BLOCK)
-    )
+    series = np.array([2, 5, 9, 11][:rows])
+    _assert_same(Block(np.array([3, 10, 17, 30]), series, values, present), decode(data))
 
 
 @pytest.mark.parametrize(

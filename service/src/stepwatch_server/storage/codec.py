@@ -16,9 +16,13 @@ batch) is absent, which is not the same as a NaN that was measured. Encoded:
     amax are float32 tensors' `.item()`): 4 bytes a value;
   - decimal: every value is k / 10**d for one d <= MAX_DECIMALS, bit for bit as decoded (the agent's
     timings, milliseconds rounded to the microsecond; whole numbers with d = 0): the integers k, 8 bytes;
+  - binary: every value is k / 2**e for one 1 <= e <= MAX_BINARY (the agent's memory in MiB, byte counts
+    of the allocator's 512-byte granules: k / 2**11): the integers k, 8 bytes. As float64 words their
+    significant bits straddle the byte planes wherever the exponent puts them;
   - float64: anything else, 8 bytes.
-  The mode byte of a row holds its width (4 or 8) and transform; its scale byte d + 1 for a decimal row,
-  else 0 (version 1 has no scale bytes and no decimal rows; it is still decoded). Each word is XORed
+  A row takes the cheapest form it qualifies for. The mode byte of a row holds its width (4 or 8) and
+  transform; its scale byte d + 1 for a decimal row, BINARY + e for a binary one, else 0 (version 1 has no
+  scale bytes and no decimal rows, version 2 no binary rows; both are still decoded). Each word is XORed
   with the previous one of its row (Gorilla's idea: a repeated or close value leaves mostly zero bits)
   or differenced once or twice (zigzagged), whichever leaves the row fewest significant bytes, and the
   words of one form are split into byte planes (all first bytes, then all second bytes, ...), so that
@@ -37,9 +41,11 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-VERSION = 2  # 1: no decimal rows (no scale bytes); still decoded
-VERSIONS = (1, 2)
+VERSION = 3  # 1: no decimal rows (no scale bytes), 2: no binary rows; both still decoded
+VERSIONS = (1, 2, 3)
 MAX_DECIMALS = 6  # a decimal row's values are k / 10**d, d <= 6 (microseconds of a time in seconds)
+BINARY = 128  # a binary row's scale byte is BINARY + e: its values are k / 2**e
+MAX_BINARY = 127
 LEVEL = 3  # zstd: ~same ratio as 9 on these planes at a fraction of the CPU
 _U64 = np.uint64
 _ZSTD = threading.local()  # zstandard's (de)compressor objects are not thread-safe: one pair per thread
@@ -291,6 +297,37 @@ def _decimals(
     return scale, ints
 
 
+def _binary(
+    flat: np.ndarray, bits: np.ndarray, row_of: np.ndarray, per_row: np.ndarray, rows: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Of the rows `rows` (a mask), each one's smallest e (1..MAX_BINARY) for which every value is k / 2**e
+    with |k| < 2**53, stored BINARY + e (0: none, and every other row), and the integers k of the rows that
+    have one (0 elsewhere). -0.0, NaN and Inf have no such form; whole numbers (e = 0) are decimal rows."""
+    scale = np.zeros(per_row.size, dtype=np.uint8)
+    ints = np.zeros(flat.size, dtype=np.int64)
+    rows = rows & (per_row > 0)
+    if not rows.any():
+        return scale, ints
+    at = rows[row_of]
+    values, starts = flat[at], _starts(per_row[rows])
+    with np.errstate(over="ignore", invalid="ignore"):
+        mantissa, exponent = np.frexp(values)  # values = mantissa * 2**exponent, 0.5 <= |mantissa| < 1
+        whole = np.abs(np.where(np.isfinite(values), mantissa, 0.0) * 2.0**53).astype(np.int64)
+    low_bit = (whole & -whole).astype(np.float64)  # its lowest set bit, 2**(trailing zeros); 0 for 0.0
+    trailing = np.log2(np.where(low_bit > 0, low_bit, 1.0)).astype(np.int64)
+    need = np.where(whole > 0, 53 - exponent.astype(np.int64) - trailing, 0)  # each value's own e
+    e = np.maximum.reduceat(need, starts)
+    bad = ~np.isfinite(values) | (bits[at] == _U64(1 << 63))  # NaN, Inf, -0.0
+    ok = (np.add.reduceat(bad, starts) == 0) & (e >= 1) & (e <= MAX_BINARY)
+    with np.errstate(over="ignore", invalid="ignore"):
+        k = np.ldexp(values, np.repeat(np.where(ok, e, 0), per_row[rows]))
+    fits = np.abs(k) < 2.0**53
+    ok &= np.add.reduceat(~fits, starts) == 0
+    scale[rows] = np.where(ok, BINARY + e, 0)
+    ints[at] = np.where(np.repeat(ok, per_row[rows]), k, 0.0).astype(np.int64)
+    return scale, ints
+
+
 def encode(block: Block) -> bytes:
     """The block's bytes (module docstring)."""
     m, n = block.values.shape
@@ -316,14 +353,22 @@ def encode(block: Block) -> bytes:
     wide_rows = np.zeros(m, dtype=bool)
     np.logical_or.at(wide_rows, row_of, ~exact)
     # A row is written as floats (4 or 8 bytes) or as decimal integers, whichever costs it less.
-    scale, ints = _decimals(flat, bits, row_of, per_row)
     float_cost = np.zeros(m, dtype=np.int64)
     float_cost[~wide_rows] = _best(narrow.view(np.uint32)[~wide_rows[row_of]], per_row[~wide_rows])[2]
     float_cost[wide_rows] = _best(bits[wide_rows[row_of]], per_row[wide_rows])[2]
-    decimal_cost = np.full(m, np.iinfo(np.int64).max)
-    decimal_cost[scale > 0] = _best(ints.view(_U64)[(scale > 0)[row_of]], per_row[scale > 0])[2]
-    decimal_rows = (scale > 0) & (decimal_cost < float_cost)
-    scale[~decimal_rows] = 0
+    scale, ints = np.zeros(m, dtype=np.uint8), np.zeros(flat.size, dtype=np.int64)
+    best_cost = float_cost
+    for their_scale, their_ints in (
+        _decimals(flat, bits, row_of, per_row),
+        _binary(flat, bits, row_of, per_row, wide_rows),  # a float32 row costs less as itself
+    ):
+        cost = np.full(m, np.iinfo(np.int64).max)
+        has = their_scale > 0
+        cost[has] = _best(their_ints.view(_U64)[has[row_of]], per_row[has])[2]
+        better = cost < best_cost
+        scale[better], best_cost = their_scale[better], np.minimum(cost, best_cost)
+        ints[better[row_of]] = their_ints[better[row_of]]
+    decimal_rows = scale > 0  # decimal or binary: integer words either way
     wide_rows &= ~decimal_rows
     narrow_rows = ~wide_rows & ~decimal_rows
     transforms = np.zeros(m, dtype=np.uint8)
@@ -360,11 +405,11 @@ class _Parsed:
     per_row: list[int]  # values present in each row
     rows: list[list[int]]  # per class: its rows, in order
     transforms: list[list[int]]  # per class: each of its rows' transform
-    scales: list[int]  # each decimal row's d + 1
+    scales: list[int]  # each integer row's scale byte: decimal d + 1, binary BINARY + e
     coded: list[np.ndarray]  # per class: its rows' coded words, end to end
 
 
-_CLASSES: tuple[type[np.unsignedinteger], ...] = (np.uint32, _U64, _U64)  # float32, float64, decimal rows
+_CLASSES: tuple[type[np.unsignedinteger], ...] = (np.uint32, _U64, _U64)  # float32, float64, integer rows
 
 
 _NO_WORDS = {dtype: np.zeros(0, dtype=dtype) for dtype in _CLASSES}
@@ -415,10 +460,12 @@ def _parse(data: bytes) -> _Parsed:
     scale = bytes(m)
     if version >= 2:
         scale = raw[pos : pos + m]
+        top = BINARY + MAX_BINARY if version >= 3 else MAX_DECIMALS + 1
         if len(scale) < m or any(
-            d > MAX_DECIMALS + 1 or (d and (b & 0x0F) != 8) for d, b in zip(scale, modes, strict=False)
+            (MAX_DECIMALS + 1 < d <= BINARY or d > top) or (d and (b & 0x0F) != 8)
+            for d, b in zip(scale, modes, strict=False)
         ):
-            raise CorruptBlock("block: a row's decimal scale is not one this version writes")
+            raise CorruptBlock("block: a row's scale is not one this version writes")
         pos += m
     rows: list[list[int]] = [[], [], []]
     for r, (b, d) in enumerate(zip(modes, scale, strict=True)):
@@ -540,9 +587,12 @@ def _flat_values(parsed: Sequence[_Parsed], keep: np.ndarray | None = None) -> t
             values = words.view(np.float32).astype(np.float64)
         elif kind == 1:
             values = words.view(np.float64)
-        else:  # k / 10**d: the float nearest the decimal, as the encoder checked
+        else:  # k / 10**d (the float nearest the decimal, as the encoder checked) or k / 2**e (exact)
             scale = np.array([d for p in parsed for d in p.scales], dtype=np.int64)
-            scale = scale if taken is None else scale[taken]
-            values = words.view(np.int64) / (10.0 ** (scale - 1))[owner]
+            scale = (scale if taken is None else scale[taken])[owner]
+            k = words.view(np.int64)
+            binary = scale > BINARY
+            values = k / 10.0 ** np.where(binary, 0, scale - 1)
+            values[binary] = np.ldexp(k[binary].astype(np.float64), -(scale[binary] - BINARY))
         out[np.repeat(row_start[mine_rows] - _starts(lengths), lengths) + np.arange(coded.size)] = values
     return out, row_len
