@@ -62,8 +62,21 @@ def upgrade() -> None:
             rank_packs.INTEGERS,
             {'sid': sid, 'level': level},
         )
-        rank_packs.write(conn, int(level), cols)
+        _write_whole(conn, int(level), cols)
     op.drop_table('rank_rollups')
+
+
+def _write_whole(conn: sa.Connection, level: int, cols: list[np.ndarray]) -> None:
+    """The packs of `cols` at `level`, each whole, as this revision's table holds them (0013 adds parts)."""
+    rows = rank_packs.rows(level, cols, parts=False)
+    if rows:
+        conn.execute(
+            sa.text(
+                'INSERT INTO rank_rollup_packs (series_id, level, bucket, incarnation, ranks, data) '
+                'VALUES (:series_id, :level, :bucket, :incarnation, :ranks, :data)'
+            ).bindparams(sa.bindparam('data', type_=sa.LargeBinary())),
+            rows,
+        )
 
 
 def downgrade() -> None:

@@ -1,9 +1,11 @@
 """The rank rollups' packed rows (runs/rank_packs.py): a pack gives back every rank's figures bit for bit,
-one row holds a bucket's ranks, and migration 0010 moves the rows of a database of the earlier layout
-into packs (and back, on a downgrade) without changing a figure."""
+a bucket's ranks are held by one pack (in parts where it is big), migration 0010 moves the rows of a
+database of the earlier layout into packs and 0013 cuts big packs into parts (and both back, on a
+downgrade) without changing a figure."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
@@ -65,12 +67,22 @@ def test_packs_are_written_per_bucket_and_read_back_per_rank(database_url: str) 
             rank_packs.write(conn, 3, cols)
             rank_packs.write(conn, 4, rank_packs.combine(cols, 2))
         with engine.connect() as conn:
-            packs = conn.execute(
-                text("SELECT level, count(*), sum(ranks) FROM rank_rollup_packs GROUP BY level")
-            )
-            per_level = {int(level): (int(count), int(ranks)) for level, count, ranks in packs}
-            buckets = {(s, b, i) for s, b, i in zip(*(cols[k].tolist() for k in (0, 2, 3)), strict=True)}
-            assert per_level[3] == (len(buckets), cols[0].size)  # a row per (series, bucket, incarnation)
+            stored = conn.execute(
+                text(
+                    "SELECT series_id, bucket, incarnation, part, ranks, length(data) FROM rank_rollup_packs "
+                    "WHERE level = 3"
+                )
+            ).all()
+            ranks_in = Counter(zip(*(cols[k].tolist() for k in (0, 2, 3)), strict=True))
+            parts: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}
+            for sid, bucket, inc, part, ranks, size in stored:
+                parts.setdefault((sid, bucket, inc), []).append((part, ranks, size))
+            assert set(parts) == set(ranks_in)  # each (series, bucket, incarnation): one pack
+            for key, held in parts.items():  # whole where it is small, else in parts of about PART_BYTES
+                assert sorted(p for p, _, _ in held) == list(range(len(held)))
+                assert sum(r for _, r, _ in held) == ranks_in[key]
+                assert len(held) == 1 if ranks_in[key] == 10 else len(held) > 1
+                assert all(size <= 1.25 * rank_packs.PART_BYTES for _, _, size in held)
             assert _bits(rank_packs.read(conn, sids, 3, 0, None)) == _bits(rank_packs.combine(cols))
             coarse = rank_packs.read(conn, sids, 4, 5, 5)  # bucket 5 of level 4: level 3's 10 and 11
             assert _by_key(coarse) == _summed(cols, lambda bucket: bucket // 2 == 5)
@@ -132,6 +144,44 @@ def test_the_migration_moves_rank_rollup_rows_into_packs_and_back(database_url: 
             np.array([r[i] for r in got], dtype=np.float64 if i in (5, 6, 7) else np.int64) for i in range(9)
         ]
         assert _bits(back) == expected
+    finally:
+        engine.dispose()
+
+
+def test_the_migration_cuts_whole_packs_into_parts_and_joins_them_again(database_url: str) -> None:
+    """Packs written whole (0012) read back the same once 0013 cut the big ones into parts, and as whole
+    packs again, one row per (series, level, bucket, incarnation), after a downgrade."""
+    engine = make_engine(database_url)
+    columns = "series_id, level, bucket, incarnation, ranks, data"
+    try:
+        upgrade(engine, "0012")
+        with engine.begin() as conn:
+            sids = two_series(conn)
+            cols = _rank_rows(sids)
+            rows = [*rank_packs.rows(0, cols, parts=False), *rank_packs.rows(2, cols, parts=False)]
+            conn.execute(
+                text(f"INSERT INTO rank_rollup_packs ({columns}) VALUES (:{columns.replace(', ', ', :')})"),
+                rows,
+            )
+        upgrade(engine)
+        expected = _bits(rank_packs.combine(cols))
+        with engine.connect() as conn:
+            for level in (0, 2):
+                assert _bits(rank_packs.read(conn, sids, level, 0, None)) == expected
+            assert conn.execute(text("SELECT max(part) FROM rank_rollup_packs")).scalar_one() > 0
+        with engine.connect() as conn:
+            cfg = alembic_config()
+            cfg.attributes["connection"] = conn
+            command.downgrade(cfg, "0012")
+            conn.commit()
+            back = conn.execute(text(f"SELECT {columns} FROM rank_rollup_packs")).all()
+            assert "part" not in {c["name"] for c in inspect(conn).get_columns("rank_rollup_packs")}
+        assert sorted((r[0], r[1], r[2], r[3], r[4]) for r in back) == sorted(
+            (r["series_id"], r["level"], r["bucket"], r["incarnation"], r["ranks"]) for r in rows
+        )
+        for level in (0, 2):
+            found = [(r[0], r[2], r[3], r[5]) for r in back if r[1] == level]
+            assert _bits(rank_packs.unpack(found)) == expected
     finally:
         engine.dispose()
 

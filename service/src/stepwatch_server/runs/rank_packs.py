@@ -12,13 +12,17 @@ figure bit for bit.
 
 The rollup worker (runs/rollups.py) writes a bucket's pack whole, for all of the run's ranks at once,
 and replaces it when a late value changes it; reads (runs/rank_rollups.py) decode the packs of a range
-into columns, one row per rank again.
+into columns, one row per rank again. A pack over PART_BYTES is stored as a few parts of consecutive ranks
+instead (`part` 0, 1, ...; `write`), so that SQLite's 4 KB pages hold three of them: a ~2.3 KB pack of 256
+ranks took a page of its own, ~40% of it empty (bench/README.md "Storage: the rank rollup packs in
+parts").
 
 Columns here are lists of numpy arrays in the order of `COLUMNS`, as the reads use them.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,7 +37,11 @@ FIGURES = ("n", "total", "lo", "hi", "nonfinite")
 COLUMNS = ("series_id", "rank", "bucket", "incarnation", *FIGURES)
 INTEGERS = (0, 1, 2, 3, 4, 8)  # the integer columns of COLUMNS
 _ROWS = np.arange(len(FIGURES), dtype=np.int64)
-_INSERT_ROWS = 1_000  # packs per INSERT: a pack of 4,096 ranks is ~60 KB
+_INSERT_ROWS = 1_000  # rows per INSERT: a row is PART_BYTES or so
+# A pack over this many bytes is stored in parts of consecutive ranks of about this size: SQLite keeps a row
+# of up to ~4 KB in its table's 4 KB pages, and these fit three to a page with their keys; PostgreSQL keeps
+# them in its rows (under its ~2 KB TOAST threshold), six to an 8 KB page.
+PART_BYTES = 1_280
 
 
 def encode(rank: np.ndarray, figures: Sequence[np.ndarray]) -> bytes:
@@ -113,26 +121,46 @@ def combine(cols: list[np.ndarray], factor: int = 1) -> list[np.ndarray]:
 
 def write(conn: Connection, level: int, cols: list[np.ndarray]) -> None:
     """Insert the packs of `cols` (one row per series, rank, bucket and incarnation, in any order) at
-    `level`: one pack per (series, bucket, incarnation). The range's old packs must be deleted first."""
+    `level`: one pack per (series, bucket, incarnation), in parts where it is big (`_parts`). The range's
+    old packs must be deleted first."""
+    found = rows(level, cols)
+    for i in range(0, len(found), _INSERT_ROWS):
+        conn.execute(insert(RankRollupPack), found[i : i + _INSERT_ROWS])
+
+
+def rows(level: int, cols: list[np.ndarray], parts: bool = True) -> list[dict[str, Any]]:
+    """The `rank_rollup_packs` rows of `write`; `parts=False`: each pack whole and no `part` (the table of
+    migrations 0010-0012)."""
     sid, rank, bucket, inc = cols[:4]
     if sid.size == 0:
-        return
+        return []
     order = np.lexsort((rank, inc, bucket, sid))
     sid, rank, bucket, inc = sid[order], rank[order], bucket[order], inc[order]
     figures = [c[order] for c in cols[4:]]
-    rows = [
-        {
-            "series_id": int(sid[a]),
-            "level": level,
-            "bucket": int(bucket[a]),
-            "incarnation": int(inc[a]),
-            "ranks": b - a,
-            "data": data,
-        }
-        for a, b, data in encode_groups([sid, bucket, inc], rank, figures)
-    ]
-    for i in range(0, len(rows), _INSERT_ROWS):
-        conn.execute(insert(RankRollupPack), rows[i : i + _INSERT_ROWS])
+    out = []
+    for whole in encode_groups([sid, bucket, inc], rank, figures):
+        first = whole[0]
+        key = {"series_id": int(sid[first]), "level": level, "bucket": int(bucket[first])}
+        key["incarnation"] = int(inc[first])
+        if not parts:
+            out.append({**key, "ranks": whole[1] - first, "data": whole[2]})
+            continue
+        for part, (a, b, data) in enumerate(_parts(whole, rank, figures)):
+            out.append({**key, "part": part, "ranks": b - a, "data": data})
+    return out
+
+
+def _parts(
+    pack: tuple[int, int, bytes], rank: np.ndarray, figures: Sequence[np.ndarray]
+) -> list[tuple[int, int, bytes]]:
+    """A pack (its first row, the row after its last, its bytes) as it is stored: whole up to PART_BYTES,
+    else cut into as many parts of consecutive ranks, each encoded alone, as its bytes need."""
+    a, b, data = pack
+    count = min(b - a, -(-len(data) // PART_BYTES))
+    if count <= 1:
+        return [pack]
+    cuts = [a + (b - a) * i // count for i in range(count + 1)]
+    return [(lo, hi, encode(rank[lo:hi], [f[lo:hi] for f in figures])) for lo, hi in itertools.pairwise(cuts)]
 
 
 def encode_groups(

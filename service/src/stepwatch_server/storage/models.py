@@ -201,9 +201,10 @@ class RollupStats:
 
 class RankRollupPack(Base):
     """Per (series, level, bucket, incarnation): every rank's count, sum, min, max of the finite values and
-    count of non-finite ones over its steps in the bucket, which is `64 << level` steps wide, in one row
-    (`data`: runs/rank_packs.py; `ranks`: how many ranks it holds). A row per rank took ~40 bytes on SQLite
-    and ~136 on PostgreSQL, more than the compacted values themselves (runs/rollups.py).
+    count of non-finite ones over its steps in the bucket, which is `64 << level` steps wide, in one pack
+    (`data`: runs/rank_packs.py; `ranks`: how many ranks it holds), or in a few parts of consecutive ranks
+    (`part` 0, 1, ...) where one would take more than a third of a SQLite page. A row per rank took ~40
+    bytes on SQLite and ~136 on PostgreSQL, more than the compacted values themselves (runs/rollups.py).
 
     A table with rowids on SQLite (the key is a separate index): its rows stay in the table's pages up to
     ~4 KB, where a WITHOUT ROWID row over ~1 KB (a pack of ~100 ranks) kept ~490 bytes in the b-tree and
@@ -217,6 +218,7 @@ class RankRollupPack(Base):
     level: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     bucket: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
     incarnation: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    part: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     ranks: Mapped[int]
     data: Mapped[bytes] = mapped_column(LargeBinary)
 
