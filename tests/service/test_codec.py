@@ -10,7 +10,15 @@ import threading
 import numpy as np
 import pytest
 
-from stepwatch_server.storage.codec import Block, CorruptBlock, decode, decode_flat, decode_many, encode
+from stepwatch_server.storage.codec import (
+    Block,
+    CorruptBlock,
+    decode,
+    decode_flat,
+    decode_many,
+    encode,
+    encode_many,
+)
 from tests.conftest import require_module
 from tests.service.conftest import generated
 
@@ -100,6 +108,15 @@ def test_blocks_decoded_together_come_back_as_each_alone(many: list[Block]) -> N
         _assert_same(block, got)
     with pytest.raises(CorruptBlock):
         decode_many([encode(block) for block in many] + [b"not a block"])
+
+
+@generated(100)
+@hypothesis.given(many=st.lists(blocks(), max_size=6))
+def test_blocks_encoded_together_are_the_bytes_of_each_alone(many: list[Block]) -> None:
+    """`encode_many` chooses the rows' forms and transforms for all its blocks at once: each block's bytes
+    are those it has alone (no row's choice leaks into a neighbour's, across blocks or rows)."""
+    assert encode_many(many) == [encode(block) for block in many]
+    assert encode_many(many + many[:1]) == [encode(block) for block in many + many[:1]]
 
 
 @generated(100)

@@ -621,3 +621,43 @@ def test_blocks_of_every_size_read_back_whole_and_postgresql_keeps_their_whole_t
                 ).all()
             )
         assert storage == {"data": "m", "tail": "e"}  # MAIN: kept in the row; EXTERNAL: out of line, as is
+
+
+def test_a_value_given_twice_keeps_its_first_copy_in_the_block() -> None:
+    """`encode_rows` keeps the first of two values of one (series, rank, step, incarnation), as `points`
+    does (ON CONFLICT DO NOTHING): a block's value ahead of a late row re-sent for it. Other incarnations,
+    ranks and buckets of the same step and series are other values."""
+    ones = np.ones(6, dtype=np.int64)
+    sid = np.array([1, 2, 1, 1, 1, 1])
+    rank = np.array([0, 0, 0, 0, 1, 0])
+    step = np.array([5, 5, 5, 5, 5, 300])
+    inc = np.array([1, 1, 1, 2, 1, 1])
+    value = np.array([1.5, 2.5, -9.0, 3.5, 4.5, 5.5])  # -9.0: a second copy of the first value
+    rows = blocks.encode_rows([sid, rank, step * ones, inc, value])
+    assert sorted((r["rank"], r["bucket"], r["incarnation"], r["n_values"]) for r in rows) == [
+        (0, 0, 1, 2), (0, 0, 2, 1), (0, 1, 1, 1), (1, 0, 1, 1),
+    ]  # fmt: skip
+    back = blocks.decode_rows([(r["rank"], r["incarnation"], r["data"]) for r in rows])
+    got = sorted(zip(*(c.tolist() for c in back), strict=True))
+    assert got == [
+        (1, 0, 5, 1, 1.5),
+        (1, 0, 5, 2, 3.5),
+        (1, 0, 300, 1, 5.5),
+        (1, 1, 5, 1, 4.5),
+        (2, 0, 5, 1, 2.5),
+    ]
+
+
+def test_integer_columns_are_read_exactly_at_any_size(engine: Engine) -> None:
+    """`queries.fetch_columns` casts integer columns back from float64 when every value is below 2**53, and
+    reads them one by one where one is not: a step near 2**62 comes back to the last bit, and a NULL in a
+    float column as NaN."""
+    big = 2**62 + 1  # not a float64: 2**62 + 1 rounds to 2**62
+    with engine.connect() as conn:
+        for steps in ([3, 7, 2**53 - 1], [3, big]):
+            union = " UNION ALL ".join(
+                f"SELECT {s} AS step, {'NULL' if i == 0 else i / 4} AS value" for i, s in enumerate(steps)
+            )
+            step, value = queries.fetch_columns(conn, text(f"SELECT step, value FROM ({union}) AS t"), [0])
+            assert step.dtype == np.int64 and step.tolist() == steps
+            assert math.isnan(value[0]) and value[1:].tolist() == [i / 4 for i in range(1, len(steps))]

@@ -218,6 +218,9 @@ def fetch_chunked(
     return [np.concatenate([p[i] for p in parts]) for i in range(len(parts[0]))]
 
 
+_EXACT = float(2**53)  # integers of smaller magnitude are exact as float64
+
+
 def fetch_columns(
     conn: Connection, statement: Any, integers: Sequence[int], params: dict[str, Any] | None = None
 ) -> list[np.ndarray]:
@@ -234,7 +237,13 @@ def fetch_columns(
     floats = np.array(rows, dtype=np.float64).reshape(len(rows), width)
     cols = [floats[:, i] for i in range(width)]
     for i in integers:
-        cols[i] = np.fromiter((row[i] for row in rows), dtype=np.int64, count=len(rows))
+        col = cols[i]
+        # Every integer below 2**53 in magnitude is exact as a float64: cast back in one call. Larger
+        # ones (a step near 2**62) may have lost bits: read again from the rows, one by one.
+        if not col.size or float(np.abs(col).max()) < _EXACT:
+            cols[i] = col.astype(np.int64)
+        else:
+            cols[i] = np.fromiter((row[i] for row in rows), dtype=np.int64, count=len(rows))
     return cols
 
 

@@ -46,9 +46,13 @@ PART_BYTES = 1_280
 
 def encode(rank: np.ndarray, figures: Sequence[np.ndarray]) -> bytes:
     """The pack of one bucket: `rank` increasing, `figures` the five columns of FIGURES (one per rank)."""
+    return codec.encode(_block(rank, figures))
+
+
+def _block(rank: np.ndarray, figures: Sequence[np.ndarray]) -> codec.Block:
     values = np.stack([np.asarray(f, dtype=np.float64) for f in figures])
     present = np.ones(values.shape, dtype=bool)
-    return codec.encode(codec.Block(np.asarray(rank, dtype=np.int64), _ROWS, values, present))
+    return codec.Block(np.asarray(rank, dtype=np.int64), _ROWS, values, present)
 
 
 def decode(data: bytes) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -159,8 +163,9 @@ def _parts(
     count = min(b - a, -(-len(data) // PART_BYTES))
     if count <= 1:
         return [pack]
-    cuts = [a + (b - a) * i // count for i in range(count + 1)]
-    return [(lo, hi, encode(rank[lo:hi], [f[lo:hi] for f in figures])) for lo, hi in itertools.pairwise(cuts)]
+    cuts = list(itertools.pairwise([a + (b - a) * i // count for i in range(count + 1)]))
+    made = codec.encode_many([_block(rank[lo:hi], [f[lo:hi] for f in figures]) for lo, hi in cuts])
+    return [(lo, hi, data) for (lo, hi), data in zip(cuts, made, strict=True)]
 
 
 def encode_groups(
@@ -170,9 +175,10 @@ def encode_groups(
     steps of a step rollup pack): (its first row, the row after its last, its bytes)."""
     starts = group_starts(keys).tolist()
     ends = [*starts[1:], int(positions.size)]
-    return [
-        (a, b, encode(positions[a:b], [f[a:b] for f in figures])) for a, b in zip(starts, ends, strict=True)
-    ]
+    made = codec.encode_many(
+        [_block(positions[a:b], [f[a:b] for f in figures]) for a, b in zip(starts, ends, strict=True)]
+    )
+    return [(a, b, data) for a, b, data in zip(starts, ends, made, strict=True)]
 
 
 def remove(conn: Connection, ids: Sequence[int], level: int, lo: int, hi: int) -> None:

@@ -21,7 +21,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import FunctionElement
 
 from stepwatch_server.storage.chunks import chunk_size, chunks
-from stepwatch_server.storage.codec import Block, decode_flat, encode
+from stepwatch_server.storage.codec import Block, decode_flat, encode_many
 from stepwatch_server.storage.models import Run, ValueBlock
 
 # A block's bucket of steps. Wide enough that SQLite's overflow pages (a row over ~1 KB spills into 4 KiB
@@ -117,20 +117,25 @@ def encode_rows(cols: Columns) -> list[dict[str, Any]]:
     sid, rank, step, inc, value = cols
     if sid.size == 0:
         return []
-    first = first_of_each(sid, rank, step, inc)
-    sid, rank, step, inc, value = sid[first], rank[first], step[first], inc[first], value[first]
     bucket = step // BLOCK_STEPS
-    order, starts = _groups(rank, bucket, inc)
+    order, starts = _groups(rank, bucket, inc)  # a stable sort: each group's rows in the given order
     ends = np.append(starts[1:], order.shape[0])
-    rows = []
+    rows: list[dict[str, Any]] = []
+    made: list[Block] = []
     for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
         at = order[a:b]
         steps, step_index = np.unique(step[at], return_inverse=True)
         series, series_index = np.unique(sid[at], return_inverse=True)
-        values = np.zeros((series.shape[0], steps.shape[0]), dtype=np.float64)
-        present = np.zeros(values.shape, dtype=bool)
-        values[series_index, step_index] = value[at]
-        present[series_index, step_index] = True
+        cell = series_index * steps.shape[0] + step_index
+        present = np.zeros(series.shape[0] * steps.shape[0], dtype=bool)
+        present[cell] = True
+        if np.count_nonzero(present) < at.shape[0]:  # a (series, step) given twice: the first one kept
+            _, first = np.unique(cell, return_index=True)  # numpy: the first occurrences
+            first.sort()
+            at, cell = at[first], cell[first]
+        values = np.zeros(present.shape, dtype=np.float64)
+        values[cell] = value[at]
+        shape = (series.shape[0], steps.shape[0])
         i = at[0]
         rows.append(
             {
@@ -138,9 +143,11 @@ def encode_rows(cols: Columns) -> list[dict[str, Any]]:
                 "bucket": int(bucket[i]),
                 "incarnation": int(inc[i]),
                 "n_values": int(np.count_nonzero(sid[at] != STEP_TIMES)),
-                "data": encode(Block(steps, series, values, present)),
             }
         )
+        made.append(Block(steps, series, values.reshape(shape), present.reshape(shape)))
+    for row, data in zip(rows, encode_many(made), strict=True):
+        row["data"] = data
     return rows
 
 

@@ -34,6 +34,7 @@ raises `CorruptBlock` naming what is wrong.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -83,15 +84,19 @@ class Block:
 # -- varints ------------------------------------------------------------------------------------
 def _varints(x: np.ndarray) -> bytes:
     """Unsigned LEB128 of each uint64 in `x`, vectorised: 7 bits a byte, high bit = more follow."""
+    return _leb128(x)[0].tobytes()
+
+
+def _leb128(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`_varints` of `x` as uint8, and where each value's bytes end in it."""
     x = np.ascontiguousarray(x, dtype=_U64)
     if x.size == 0:
-        return b""
+        return np.zeros(0, dtype=np.uint8), np.zeros(0, dtype=np.int64)
     nbytes = np.ones(x.shape, dtype=np.int64)
     for k in range(1, 10):
         nbytes += x >= (_U64(1) << _U64(7 * k))
-    total = int(nbytes.sum())
-    out = np.empty(total, dtype=np.uint8)
     ends = np.cumsum(nbytes)
+    out = np.empty(int(ends[-1]), dtype=np.uint8)
     starts = ends - nbytes
     for k in range(10):  # byte k of every value that has one
         has = nbytes > k
@@ -100,7 +105,7 @@ def _varints(x: np.ndarray) -> bytes:
         chunk = ((x[has] >> _U64(7 * k)) & _U64(0x7F)).astype(np.uint8)
         more = (nbytes[has] > k + 1).astype(np.uint8) << np.uint8(7)
         out[starts[has] + k] = chunk | more
-    return out.tobytes()
+    return out, ends
 
 
 _FEW_VARINTS = 16  # up to this many varints are read by a Python loop, cheaper than numpy's calls for so few
@@ -330,21 +335,40 @@ def _binary(
 
 def encode(block: Block) -> bytes:
     """The block's bytes (module docstring)."""
-    m, n = block.values.shape
-    parts = [bytes([VERSION]), _varints(np.array([n, m]))]
-    if n:
-        steps = block.steps.astype(np.int64)
-        parts.append(_varints(np.concatenate([steps[:1], np.diff(steps) - 1]).astype(_U64)))
-    if m:
-        ids = block.series.astype(np.int64)
-        parts.append(_varints(_zigzag(np.concatenate([ids[:1], np.diff(ids)]))))
-    present = np.ascontiguousarray(block.present, dtype=bool)
-    if present.all():
-        parts.append(b"\x00")
-    else:
-        parts += [b"\x01", np.packbits(present.reshape(-1)).tobytes()]
-    per_row = present.sum(axis=1)
-    flat = np.ascontiguousarray(block.values, dtype=np.float64)[present]  # row major: row by row
+    return encode_many([block])[0]
+
+
+def _varint_runs(x: np.ndarray, counts: Sequence[int]) -> list[bytes]:
+    """`_varints` of consecutive runs of `x` (`counts` values each, at least one), encoded in one pass."""
+    raw, ends = _leb128(x)
+    cuts = [0, *ends[np.cumsum(counts) - 1].tolist()]
+    data = raw.tobytes()
+    return [data[a:b] for a, b in itertools.pairwise(cuts)]
+
+
+def encode_many(blocks: Sequence[Block]) -> list[bytes]:
+    """`encode` of each block. The forms and transforms of all the blocks' rows are chosen together
+    (each row's choice is its own, so the bytes are those of each block encoded alone): a compaction
+    pass or a rollup round encodes hundreds of small blocks, and numpy's cost per call, not per value,
+    was most of the time of each."""
+    if not blocks:
+        return []
+    heads, presences, per_rows, flats = [], [], [], []
+    for block in blocks:
+        m, n = block.values.shape
+        steps, ids = block.steps.astype(np.int64), block.series.astype(np.int64)
+        heads.append(np.array([n, m], dtype=_U64))
+        if n:
+            heads.append(np.concatenate([steps[:1], np.diff(steps) - 1]).astype(_U64))
+        if m:
+            heads.append(_zigzag(np.concatenate([ids[:1], np.diff(ids)])))
+        present = np.ascontiguousarray(block.present, dtype=bool)
+        presences.append(b"\x00" if present.all() else b"\x01" + np.packbits(present.reshape(-1)).tobytes())
+        per_rows.append(present.sum(axis=1))
+        flats.append(np.ascontiguousarray(block.values, dtype=np.float64)[present])  # row major
+    head_bytes = _varint_runs(np.concatenate(heads), [2 + sum(b.values.shape) for b in blocks])
+    per_row, flat = np.concatenate(per_rows), np.concatenate(flats)
+    m = per_row.size
     bits = flat.view(_U64)
     with np.errstate(over="ignore", invalid="ignore"):  # a value beyond float32 becomes Inf: not exact
         narrow = flat.astype(np.float32)
@@ -368,24 +392,34 @@ def encode(block: Block) -> bytes:
         better = cost < best_cost
         scale[better], best_cost = their_scale[better], np.minimum(cost, best_cost)
         ints[better[row_of]] = their_ints[better[row_of]]
-    decimal_rows = scale > 0  # decimal or binary: integer words either way
-    wide_rows &= ~decimal_rows
-    narrow_rows = ~wide_rows & ~decimal_rows
+    integer_rows = scale > 0  # decimal or binary: integer words either way
+    wide_rows &= ~integer_rows
+    narrow_rows = ~wide_rows & ~integer_rows
     transforms = np.zeros(m, dtype=np.uint8)
-    planes = []
+    row_ends = np.cumsum([p.shape[0] for p in per_rows]).tolist()
+    row_starts = [0, *row_ends[:-1]]
+    planes: list[list[bytes]] = [[] for _ in blocks]
     for words, rows in (
         (narrow.view(np.uint32), narrow_rows),
         (bits, wide_rows),
-        (ints.view(_U64), decimal_rows),
+        (ints.view(_U64), integer_rows),
     ):
         out, best, _ = _best(words[rows[row_of]], per_row[rows])
         transforms[rows] = best
-        planes.append(_planes(out))
+        # Each block's words of this form: its rows of the form, end to end, in `out`.
+        before = np.concatenate([[0], np.cumsum(np.where(rows, per_row, 0))]).tolist()
+        for i, (a, b) in enumerate(zip(row_starts, row_ends, strict=True)):
+            planes[i].append(_planes(out[before[a] : before[b]]))
     width = np.where(narrow_rows, 4, 8)
-    parts.append((width | (transforms.astype(np.int64) << 4)).astype(np.uint8).tobytes())
-    parts.append(scale.tobytes())
-    parts += planes
-    return _zstd()[0].compress(b"".join(parts))
+    modes = (width | (transforms.astype(np.int64) << 4)).astype(np.uint8).tobytes()
+    scales = scale.tobytes()
+    compress = _zstd()[0].compress
+    return [
+        compress(b"".join([bytes([VERSION]), head, presence, modes[a:b], scales[a:b], *plane]))
+        for head, presence, a, b, plane in zip(
+            head_bytes, presences, row_starts, row_ends, planes, strict=True
+        )
+    ]
 
 
 def decode(data: bytes) -> Block:
