@@ -218,7 +218,12 @@ def fetch_chunked(
     return [np.concatenate([p[i] for p in parts]) for i in range(len(parts[0]))]
 
 
-_EXACT = float(2**53)  # integers of smaller magnitude are exact as float64
+_EXACT = float(2**53)
+_RSI = (
+    0,
+    1,
+    2,
+)  # rank, step, incarnation: the integer columns of a read of `steps`  # integers of smaller magnitude are exact as float64
 
 
 def fetch_columns(
@@ -277,7 +282,9 @@ def read_steps(
         query = query.where(StepRecord.step >= from_step)
     if to_step is not None:
         query = query.where(StepRecord.step <= to_step)
-    found = conn.execute(query.order_by(StepRecord.rank, StepRecord.step, StepRecord.incarnation)).all()
+    found = fetch_columns(
+        conn, query.order_by(StepRecord.rank, StepRecord.step, StepRecord.incarnation), _RSI
+    )
     rows = blocks.step_time_columns(found)
     cols = _with_blocks(rows, blocks.read_step_times(conn, run_id, rank, from_step, to_step))
     if cols[0].size == 0:
@@ -346,7 +353,8 @@ def median_step_ms(conn: Connection, run_id: int) -> dict[int, float]:
         if sid is not None:
             parts.append(read_values(conn, [int(sid)], None, low, high, members))
         else:
-            found = conn.execute(
+            found = fetch_columns(
+                conn,
                 select(StepRecord.rank, StepRecord.step, StepRecord.incarnation, StepRecord.ts)
                 .where(
                     StepRecord.run_id == run_id,
@@ -354,8 +362,9 @@ def median_step_ms(conn: Connection, run_id: int) -> dict[int, float]:
                     StepRecord.step >= low,
                     StepRecord.step <= high,
                 )
-                .order_by(StepRecord.rank, StepRecord.step, StepRecord.incarnation)
-            ).all()
+                .order_by(StepRecord.rank, StepRecord.step, StepRecord.incarnation),
+                _RSI,
+            )
             held = blocks.read_step_times(conn, run_id, None, low, high)
             parts.append(_with_blocks(blocks.step_time_columns(found), held))
     cols = blocks.join(parts)

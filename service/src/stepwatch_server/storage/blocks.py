@@ -200,18 +200,11 @@ def read_columns(
     )
 
 
-def step_time_columns(found: Sequence[Sequence[Any]]) -> Columns:
-    """`steps` rows (rank, step, incarnation, ts) as columns of series id STEP_TIMES."""
-    if not found:
-        return empty_columns()
-    rank, step, inc, ts = zip(*found, strict=True)
-    return [
-        np.full(len(found), STEP_TIMES, dtype=np.int64),
-        np.array(rank, dtype=np.int64),
-        np.array(step, dtype=np.int64),
-        np.array(inc, dtype=np.int64),
-        np.array(ts, dtype=np.float64),
-    ]
+def step_time_columns(found: Sequence[np.ndarray]) -> Columns:
+    """`steps` columns (rank, step, incarnation, ts; `queries.fetch_columns`) as columns of series id
+    STEP_TIMES."""
+    rank, step, inc, ts = found
+    return [np.full(rank.shape[0], STEP_TIMES, dtype=np.int64), rank, step, inc, ts]
 
 
 def read_step_times(
