@@ -409,7 +409,8 @@ def encode_many(blocks: Sequence[Block]) -> list[bytes]:
         # Each block's words of this form: its rows of the form, end to end, in `out`.
         before = np.concatenate([[0], np.cumsum(np.where(rows, per_row, 0))]).tolist()
         for i, (a, b) in enumerate(zip(row_starts, row_ends, strict=True)):
-            planes[i].append(_planes(out[before[a] : before[b]]))
+            lo, hi = before[a], before[b]
+            planes[i].append(_planes(out[lo:hi]) if hi > lo else b"")
     width = np.where(narrow_rows, 4, 8)
     modes = (width | (transforms.astype(np.int64) << 4)).astype(np.uint8).tobytes()
     scales = scale.tobytes()
