@@ -1,6 +1,7 @@
 """How long the dashboard's run page takes to open on a big run: the API calls it makes, timed.
 
-A run of `--steps` steps x `--ranks` ranks (the issue's target: 100,000 x 512, to open in under 2 s)
+A run of `--steps` steps x `--ranks` ranks (issue 17's target: 100,000 x 512, to open in at most 1 s;
+the first dashboard issue asked for under 2 s)
 is written straight into a fresh database with the collector's own bulk insert (`insert_points`),
 each chunk handed to the collector's own rollup worker (`RollupWorker`) as ingest hands it over:
 every rank's loss, grad norm, lr, step/forward/data time and allocated memory (`--memory-noise`) on every step, the
@@ -54,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _servers  # noqa: E402
 
 RUN = "bench-dashboard"
-TARGET_S = 2.0
+TARGET_S = 1.0  # issue 17: the run page at 100k steps x 512 ranks in <= 1 s
 REQUEST_TIMEOUT_S = 600.0
 PROGRESS_EVERY_S = 30.0
 AMAX_EVERY = 10
@@ -460,7 +461,7 @@ def measure(backend: str, args: argparse.Namespace, server: Any, written: dict[s
     }
     print(
         f"{backend}: run page open median {result['open_s_median']:.3f} s over {args.repeats} "
-        f"(target < {TARGET_S:.0f} s: {'met' if result['open_s_median'] < TARGET_S else 'MISSED'}), "
+        f"(target <= {TARGET_S:.0f} s: {'met' if result['open_s_median'] <= TARGET_S else 'MISSED'}), "
         f"{result['bytes'] / 1e6:.2f} MB"
         + (
             ""

@@ -36,7 +36,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from stepwatch_server.background import BackgroundWorker
 from stepwatch_server.runs import step_packs
 from stepwatch_server.runs.deletion import DELETE_CHUNK_ROWS
-from stepwatch_server.runs.queries import fetch_chunked, fetch_columns
+from stepwatch_server.runs.queries import STEP_INTEGERS, fetch_chunked, fetch_columns
 from stepwatch_server.runs.rollup_worker import BACKLOG_PAUSE_S
 from stepwatch_server.settings import DEFAULT_COMPACT_AFTER_STEPS
 from stepwatch_server.storage import blocks
@@ -270,7 +270,7 @@ def _read_step_times(conn: Connection, run_id: int, ranks: list[int], lo: int, h
     """The ranks' step end times in steps lo..hi, as columns of series id STEP_TIMES."""
     q = select(StepRecord.rank, StepRecord.step, StepRecord.incarnation, StepRecord.ts)
     return blocks.step_time_columns(
-        fetch_columns(conn, q.where(*_step_window(run_id, ranks, lo, hi)), (0, 1, 2))
+        fetch_columns(conn, q.where(*_step_window(run_id, ranks, lo, hi)), STEP_INTEGERS)
     )
 
 

@@ -218,12 +218,8 @@ def fetch_chunked(
     return [np.concatenate([p[i] for p in parts]) for i in range(len(parts[0]))]
 
 
-_EXACT = float(2**53)
-_RSI = (
-    0,
-    1,
-    2,
-)  # rank, step, incarnation: the integer columns of a read of `steps`  # integers of smaller magnitude are exact as float64
+_EXACT = float(2**53)  # integers of smaller magnitude are exact as float64
+STEP_INTEGERS = (0, 1, 2)  # rank, step, incarnation: the integer columns of a read of `steps`
 
 
 def fetch_columns(
@@ -283,7 +279,7 @@ def read_steps(
     if to_step is not None:
         query = query.where(StepRecord.step <= to_step)
     found = fetch_columns(
-        conn, query.order_by(StepRecord.rank, StepRecord.step, StepRecord.incarnation), _RSI
+        conn, query.order_by(StepRecord.rank, StepRecord.step, StepRecord.incarnation), STEP_INTEGERS
     )
     rows = blocks.step_time_columns(found)
     cols = _with_blocks(rows, blocks.read_step_times(conn, run_id, rank, from_step, to_step))
@@ -363,7 +359,7 @@ def median_step_ms(conn: Connection, run_id: int) -> dict[int, float]:
                     StepRecord.step <= high,
                 )
                 .order_by(StepRecord.rank, StepRecord.step, StepRecord.incarnation),
-                _RSI,
+                STEP_INTEGERS,
             )
             held = blocks.read_step_times(conn, run_id, None, low, high)
             parts.append(_with_blocks(blocks.step_time_columns(found), held))
