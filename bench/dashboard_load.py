@@ -4,7 +4,8 @@ A run of `--steps` steps x `--ranks` ranks (issue 17's target: 100,000 x 512, to
 the first dashboard issue asked for under 2 s)
 is written straight into a fresh database with the collector's own bulk insert (`insert_points`),
 each chunk handed to the collector's own rollup worker (`RollupWorker`) as ingest hands it over:
-every rank's loss, grad norm, lr, step/forward/data time and allocated memory (`--memory-noise`) on every step, the
+every rank's loss, grad norm and sum of squares, lr, step/forward/data/backward/optimizer time and allocated
+memory (`--memory-noise`) on every step (`METRICS`), the
 amax of `--modules` modules every 10th step, and every step's end time (each rank's clock advanced by its step time), as the agent would send
 them (`_as_sent`: float32-exact losses, norms and amax, whole bytes of memory, times to the
 microsecond) (a straggler and a loss spike included, so the pictures have something to show). The page is
@@ -13,8 +14,9 @@ the last chunk was written) and the database's size over its values printed (byt
 rollups included: issue 17). A real
 `stepwatch-server serve` in a child process (it applies the migrations first) then answers the run
 page's calls over loopback HTTP, in the page's two waves: first the run and the overview, then the
-four curves (mean over ranks), the anomalies, the two heatmaps and the amax, all at once, as the
-browser does. `--repeats` opens are timed; the figure is the median wall time of one open, and the
+four curves (loss, lr and step time as the mean over ranks, the model's gradient norm as rank=global),
+the anomalies, the two heatmaps ("who holds the run up", time.late_ms, the page's default view, and the
+memory), the amax and the phase events, all at once, as the browser does (web/src/run.js; `page_calls`). `--repeats` opens are timed; the figure is the median wall time of one open, and the
 median time of each call is listed beside it.
 
     .venv/bin/python bench/dashboard_load.py                              # 100k x 512 on SQLite (long)
@@ -61,7 +63,21 @@ PROGRESS_EVERY_S = 30.0
 AMAX_EVERY = 10
 WRITE_STEPS = 2000  # steps per written chunk (one transaction per rank and chunk) ...
 PACED_CHUNK_S = 2.0  # ... or, with --steps-per-s, the steps of this long (the agent's default flush interval)
-METRICS = ("loss", "grad_norm", "lr", "time.step_ms", "time.forward_ms", "time.data_ms", "mem.allocated_mb")
+# What the agent sends that the run page reads: its curves, the two gradient norms (`grad_norm` per shard,
+# `grad_sumsq` for the model's norm, rank=global), the four phase times of the "who holds the run up" view
+# (time.late_ms, derived from TIMELINE) and the memory heatmap's allocated memory; plus the forward time.
+METRICS = (
+    "loss",
+    "grad_norm",
+    "grad_sumsq",
+    "lr",
+    "time.step_ms",
+    "time.forward_ms",
+    "time.data_ms",
+    "time.backward_ms",
+    "time.optimizer_ms",
+    "mem.allocated_mb",
+)
 MAX_POINTS = 1600  # as web/src/run.js asks
 # The allocated memory as a real run's is (the Megatron log in ../shared/real-logs: flat within 4.1 MB
 # over 47,680 steps, in multiples of 512 bytes, ~0.75 MB between two readings), not 2% noise (~600 MB).
@@ -74,12 +90,14 @@ def page_calls(run: str) -> tuple[list[str], list[str]]:
     """The run page's requests (web/src/run.js), in its two waves."""
     base = f"/api/v1/runs/{urllib.parse.quote(run)}"
     first = [base, "/api/v1/dashboard/runs"]
-    second = [f"{base}/series?metric={m}&rank=mean&max_points={MAX_POINTS}" for m in METRICS[:4]]
+    curves = [("loss", "mean"), ("grad_norm", "global"), ("lr", "mean"), ("time.step_ms", "mean")]
+    second = [f"{base}/series?metric={m}&rank={r}&max_points={MAX_POINTS}" for m, r in curves]
     second += [
         f"{base}/anomalies",
-        f"{base}/heatmap?metric=time.forward_ms&mode=median&buckets={BUCKETS}",
+        f"{base}/heatmap?metric=time.late_ms&mode=median&buckets={BUCKETS}",  # the page's default view
         f"{base}/heatmap?metric=mem.allocated_mb&mode=absolute&buckets={BUCKETS}",
         f"{base}/amax?max_points={MAX_POINTS}",
+        f"{base}/events?kind=phase_start&limit=10000",
     ]
     return first, second
 
@@ -88,7 +106,7 @@ def _as_sent(metric: str, v: np.ndarray) -> np.ndarray:
     """Values as the agent sends them: a float32 tensor's `.item()` (loss, gradient norm, amax), allocated
     bytes / 2**20 (memory), milliseconds rounded to the microsecond (times: agent/_batch.py), or a
     float64 as it comes (the learning rate)."""
-    if metric in ("loss", "grad_norm", "amax"):
+    if metric in ("loss", "grad_norm", "grad_sumsq", "amax"):
         return v.astype(np.float32).astype(np.float64)
     if metric.startswith("mem."):
         return np.round(v * 2**20) / 2**20
@@ -152,10 +170,13 @@ def write_run(
         base = {
             "loss": 2.0 + 8.0 / np.sqrt(s) + np.where((s >= steps // 2) & (s < steps // 2 + 30), 3.0, 0.0),
             "grad_norm": 1.0 + 4.0 / np.sqrt(s),
+            "grad_sumsq": (1.0 + 4.0 / np.sqrt(s)) ** 2,
             "lr": np.full(n, 3e-4),
             "time.step_ms": np.full(n, 400.0),
             "time.forward_ms": np.full(n, 120.0),
             "time.data_ms": np.full(n, 15.0),
+            "time.backward_ms": np.full(n, 240.0),
+            "time.optimizer_ms": np.full(n, 25.0),
             "mem.allocated_mb": 30_000.0 + 0.01 * s,
         }
         amax_steps = s[s % AMAX_EVERY == 0]
