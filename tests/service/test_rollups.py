@@ -424,6 +424,28 @@ def test_reads_are_complete_before_the_worker_caught_up(
         )
 
 
+@pytest.mark.parametrize("probe_rows", [5, 4096])
+def test_a_bounded_count_is_exact_up_to_its_bound_and_larger_above_it(
+    engine: Engine, worker: RollupWorker, probe_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`step_range(count_up_to=k)` (what the views ask before choosing the raw points or the rollups): the
+    same first and last step as the full count, the number of values exact when it is at most k and only
+    above k otherwise, whether the first rows read (`_PROBE_ROWS`) settle it or not; over the rows, the
+    raw tail above the watermark and both series at once."""
+    monkeypatch.setattr(step_rollups, "_PROBE_ROWS", probe_rows)
+    ids = _write(engine, worker, hand_over_below=500)
+    with engine.connect() as conn:
+        for chosen in ([ids["loss"]], [ids["fc1"]], list(ids.values())):
+            first, last, total = step_rollups.step_range(conn, chosen, None, None) or (0, 0, 0)
+            assert total > 100
+            for bound in (0, 1, 10, total // 2, total - 1, total, total + 1, 10 * total):
+                found = step_rollups.step_range(conn, chosen, None, None, count_up_to=bound)
+                assert found is not None and found[:2] == (first, last), (chosen, bound)
+                assert found[2] == total if total <= bound else found[2] > bound, (chosen, bound, found)
+            narrow = step_rollups.step_range(conn, chosen, 100, 199, count_up_to=0)
+            assert narrow is not None and narrow[:2] == step_rollups.step_range(conn, chosen, 100, 199)[:2]
+
+
 def test_the_worker_rolls_up_what_is_left_when_it_stops(engine: Engine) -> None:
     """In slices: 6 values per step (2 series x 3 ranks), at most 768 per transaction = 2 buckets."""
     ids = _write(engine, None)

@@ -99,7 +99,7 @@ def _late(
             field="metric",
         )
     ids = [sid for sid in sids if sid is not None]
-    found_steps = step_rollups.step_range(conn, ids, from_step, to_step)
+    found_steps = step_rollups.step_range(conn, ids, from_step, to_step, count_up_to=0)
     if found_steps is None:
         return late_heatmap([])
     first, last, _ = found_steps

@@ -246,7 +246,7 @@ def rollup_range(
     rollups: one whose raw values retention deleted in part (runs/expiry.py: steps up to `expired_to`),
     or, over all ranks, one holding more than RAW_READ_BUDGET values (a bounded read: about max_points
     rows per rank, where the raw points were 51M at 100k steps x 512 ranks). None: read the raw points."""
-    found = step_rollups.step_range(conn, ids, from_step, to_step)
+    found = step_rollups.step_range(conn, ids, from_step, to_step, count_up_to=RAW_READ_BUDGET)
     if found is None:
         return None
     if expired_to is not None and found[0] <= expired_to:
