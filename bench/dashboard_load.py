@@ -17,7 +17,8 @@ page's calls over loopback HTTP, in the page's two waves: first the run and the 
 four curves (loss, lr and step time as the mean over ranks, the model's gradient norm as rank=global),
 the anomalies, the two heatmaps ("who holds the run up", time.late_ms, the page's default view, and the
 memory), the amax and the phase events, all at once, as the browser does (web/src/run.js; `page_calls`). `--repeats` opens are timed; the figure is the median wall time of one open, and the
-median time of each call is listed beside it.
+median time of each call is listed beside it, as the page opens and alone (each call on its own, one after
+another, as often: the calls alone add up to the collector's work for one open).
 
     .venv/bin/python bench/dashboard_load.py                              # 100k x 512 on SQLite (long)
     .venv/bin/python bench/dashboard_load.py --steps 10000 --ranks 64 --backends sqlite,postgresql
@@ -469,6 +470,11 @@ def measure(backend: str, args: argparse.Namespace, server: Any, written: dict[s
         opens = [open_page(server.url, pool) for _ in range(args.repeats)]
     walls = [o[0] for o in opens]
     calls = {path: statistics.median(o[1][path] for o in opens) for path in opens[0][1]}
+    # Each call again on its own, one after another: what it costs the collector without the page's other
+    # calls beside it (they share one process, and its GIL, as the page opens).
+    alone = {
+        path: statistics.median(_get(server.url + path)[0] for _ in range(args.repeats)) for path in calls
+    }
     result = {
         "backend": backend,
         "steps": args.steps,
@@ -479,6 +485,7 @@ def measure(backend: str, args: argparse.Namespace, server: Any, written: dict[s
         "open_s_all": walls,
         "bytes": opens[-1][2],
         "calls_s_median": calls,
+        "calls_alone_s_median": alone,
     }
     print(
         f"{backend}: run page open median {result['open_s_median']:.3f} s over {args.repeats} "
@@ -492,8 +499,11 @@ def measure(backend: str, args: argparse.Namespace, server: Any, written: dict[s
         ),
         flush=True,
     )
+    print(
+        f"    as the page opens / alone (the calls alone add up to {sum(alone.values()):.3f} s):", flush=True
+    )
     for path, seconds in sorted(calls.items(), key=lambda kv: -kv[1]):
-        print(f"    {seconds:8.3f} s  {path}", flush=True)
+        print(f"    {seconds:8.3f} / {alone[path]:.3f} s  {path}", flush=True)
     return result
 
 
