@@ -16,8 +16,9 @@ rollups included: issue 17). A real
 page's calls over loopback HTTP, in the page's two waves: first the run and the overview, then the
 four curves (loss, lr and step time as the mean over ranks, the model's gradient norm as rank=global),
 the anomalies, the two heatmaps ("who holds the run up", time.late_ms, the page's default view, and the
-memory), the amax and the phase events, all at once, as the browser does (web/src/run.js; `page_calls`). `--repeats` opens are timed; the figure is the median wall time of one open, and the
-median time of each call is listed beside it, as the page opens and alone (each call on its own, one after
+memory), the amax and the phase events, all at once, as the browser does (web/src/run.js; `page_calls`).
+`--repeats` opens are timed; the figure is the median wall time of one open, and the median time of each
+call is listed beside it, as the page opens and alone (each call on its own, one after
 another, as often: the calls alone add up to the collector's work for one open).
 
     .venv/bin/python bench/dashboard_load.py                              # 100k x 512 on SQLite (long)
@@ -168,10 +169,11 @@ def write_run(
     for lo in range(1, steps + 1, chunk):
         s = np.arange(lo, min(steps, lo + chunk - 1) + 1, dtype=np.int64)
         n = s.shape[0]
+        norm = 1.0 + 4.0 / np.sqrt(s)
         base = {
             "loss": 2.0 + 8.0 / np.sqrt(s) + np.where((s >= steps // 2) & (s < steps // 2 + 30), 3.0, 0.0),
-            "grad_norm": 1.0 + 4.0 / np.sqrt(s),
-            "grad_sumsq": (1.0 + 4.0 / np.sqrt(s)) ** 2,
+            "grad_norm": norm,
+            "grad_sumsq": norm**2,
             "lr": np.full(n, 3e-4),
             "time.step_ms": np.full(n, 400.0),
             "time.forward_ms": np.full(n, 120.0),
