@@ -139,6 +139,8 @@ def test_blocks_decoded_as_columns_hold_each_present_value_at_its_series_and_ste
         columns = (flat.block, flat.series, flat.step, _bits(flat.value))
         assert list(zip(*(c.tolist() for c in columns), strict=True)) == expected
         assert flat.sizes.tolist() == [sum(1 for e in expected if e[0] == b) for b in range(len(many))]
+        assert flat.rows.tolist() == [b.series.size for b in many]  # every row's, decoded or not
+        assert flat.width.tolist() == [b.steps.size for b in many]
     with pytest.raises(CorruptBlock):
         decode_flat([encode(block) for block in many] + [b"not a block"])
 

@@ -45,16 +45,31 @@ def test_a_pack_gives_back_every_figure_bit_for_bit() -> None:
         got_ranks, got = rank_packs.decode(rank_packs.encode(ranks, figures))
         assert got_ranks.tolist() == ranks.tolist()
         assert _bits(got) == _bits([figures[0].astype(np.int64), *figures[1:4], figures[4].astype(np.int64)])
+        for some in (("n", "total"), ("n", "hi"), ("nonfinite",)):  # a view reads the figures it shows
+            ((got_ranks, got),) = rank_packs.decode_many([rank_packs.encode(ranks, figures)], some)
+            assert got_ranks.tolist() == ranks.tolist()
+            for name, column, sent in zip(rank_packs.FIGURES, got, figures, strict=True):
+                if name in some:
+                    assert _bits([column]) == _bits([sent.astype(column.dtype)])
+                else:  # not read: NaN
+                    assert column.dtype == np.float64 and np.isnan(column).all() and column.size == size
     with pytest.raises(codec.CorruptBlock):
         rank_packs.decode(b"not a pack")
+    with pytest.raises(ValueError, match="figures: 'mean' is not one of n, total, lo, hi, nonfinite"):
+        rank_packs.decode_many([rank_packs.encode(np.arange(2), _figures(rng, 2))], ("n", "mean"))
     block = codec.Block(np.arange(3), np.arange(2), np.zeros((2, 3)), np.ones((2, 3), dtype=bool))
     with pytest.raises(codec.CorruptBlock, match="2 rows, expected 5"):
         rank_packs.decode(codec.encode(block))  # a value block, not a pack
+    with pytest.raises(codec.CorruptBlock, match="2 rows, expected 5"):
+        rank_packs.decode_many([codec.encode(block)], ("n",))
     present = np.ones((5, 3), dtype=bool)
     present[2, 1] = False
     holed = codec.Block(np.arange(3), np.arange(5), np.zeros((5, 3)), present)
-    with pytest.raises(codec.CorruptBlock, match="a rank without all of its figures"):
-        rank_packs.decode_many([rank_packs.encode(np.arange(2), _figures(rng, 2)), codec.encode(holed)])
+    for some in (rank_packs.FIGURES, ("lo",)):
+        with pytest.raises(codec.CorruptBlock, match="a rank without all of its figures"):
+            rank_packs.decode_many(
+                [rank_packs.encode(np.arange(2), _figures(rng, 2)), codec.encode(holed)], some
+            )
 
 
 def test_packs_are_written_per_bucket_and_read_back_per_rank(database_url: str) -> None:
@@ -84,6 +99,12 @@ def test_packs_are_written_per_bucket_and_read_back_per_rank(database_url: str) 
                 assert len(held) == 1 if ranks_in[key] == 10 else len(held) > 1
                 assert all(size <= 1.25 * rank_packs.PART_BYTES for _, _, size in held)
             assert _bits(rank_packs.read(conn, sids, 3, 0, None)) == _bits(rank_packs.combine(cols))
+            some = rank_packs.read(conn, sids, 3, 0, None, ("n", "hi"))  # the figures read; the others NaN
+            whole = rank_packs.combine(cols)
+            assert _bits([some[i] for i in (0, 1, 2, 3, 4, 7)]) == _bits(
+                [whole[i] for i in (0, 1, 2, 3, 4, 7)]
+            )
+            assert all(np.isnan(some[i]).all() and some[i].size == whole[i].size for i in (5, 6, 8))
             coarse = rank_packs.read(conn, sids, 4, 5, 5)  # bucket 5 of level 4: level 3's 10 and 11
             assert _by_key(coarse) == _summed(cols, lambda bucket: bucket // 2 == 5)
         with engine.begin() as conn:

@@ -33,6 +33,10 @@ from stepwatch_server.timeline import holding_up
 DEFAULT_BUCKETS = 240
 MAX_BUCKETS = 2000
 MODES = ("median", "absolute")
+MODE_FIGURES = {
+    "median": ("n", "total"),
+    "absolute": ("n", "hi"),
+}  # the rank rollups' figures each mode shows
 LATE = "time.late_ms"  # derived: who holds the run up (stepwatch_server.timeline), answered as mode "late"
 TIMELINE = ("time.data_ms", "time.backward_ms", "time.optimizer_ms", "time.step_ms")  # what LATE reads
 LATE_MIN_STEPS = 8  # LATE's columns hold at least this many steps: who holds the run up is judged over a few
@@ -84,11 +88,15 @@ def raw_cells(series: Sequence[RankSeries], first: int, last: int, buckets: int)
     return Cells(ranks, starts, width, counts, sums, peak)
 
 
-def rollup_cells(conn: Connection, sid: int, first_step: int, last_step: int, buckets: int) -> Cells | None:
+def rollup_cells(
+    conn: Connection, sid: int, first_step: int, last_step: int, buckets: int, mode: str
+) -> Cells | None:
     """The same cells from the rank rollups of series `sid` over first_step..last_step: columns are
     whole buckets of the rollup level that fits at most `buckets` of them (runs/rank_rollups.py), so one
-    stored row per rank and column is read. None when nothing is stored there."""
-    cells, start, width = rank_rollups.read_columns(conn, sid, first_step, last_step, buckets)
+    stored row per rank and column is read, and of it only the figures `mode` shows (`MODE_FIGURES`:
+    the sums of a mean, or the maxima; the other is NaN). None when nothing is stored there."""
+    figures = MODE_FIGURES[mode]
+    cells, start, width = rank_rollups.read_columns(conn, sid, first_step, last_step, buckets, figures)
     cells = cells.take(np.flatnonzero(cells.n > 0))
     if cells.n.size == 0:
         return None
@@ -116,7 +124,7 @@ def heatmap_from_rollups(
     conn: Connection, sid: int, first_step: int, last_step: int, buckets: int, mode: str
 ) -> dict[str, Any]:
     """The same matrix from the rank rollups of series `sid` over first_step..last_step."""
-    cells = rollup_cells(conn, sid, first_step, last_step, buckets)
+    cells = rollup_cells(conn, sid, first_step, last_step, buckets, mode)
     return _empty() if cells is None else _matrix(cells, mode)
 
 

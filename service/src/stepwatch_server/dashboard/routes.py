@@ -104,7 +104,7 @@ def _late(
         return late_heatmap([])
     first, last, _ = found_steps
     if rank_rollups.rollup_range(conn, ids, from_step, to_step, found.raw_expired_to) is not None:
-        return late_heatmap([rollup_cells(conn, sid, first, last, buckets) for sid in ids])
+        return late_heatmap([rollup_cells(conn, sid, first, last, buckets, "median") for sid in ids])  # means
     points = queries.read_points(conn, ids, None, first, last)
     return late_heatmap_from_points(
         [[s for s in points if s.series_id == sid] for sid in ids], first, last, buckets

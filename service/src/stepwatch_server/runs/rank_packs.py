@@ -60,33 +60,57 @@ def decode(data: bytes) -> tuple[np.ndarray, list[np.ndarray]]:
     return decode_many([data])[0]
 
 
-def decode_many(datas: Sequence[bytes]) -> list[tuple[np.ndarray, list[np.ndarray]]]:
-    """`decode` of each of `datas`, decoded together (codec.decode_many: packs are small and whole, so the
-    blocks' matrices cost less here than codec.decode_flat's columns)."""
-    out = []
-    for block in codec.decode_many(datas):
-        if block.values.shape[0] != len(FIGURES):
-            raise codec.CorruptBlock(
-                f"rank rollup pack: {block.values.shape[0]} rows, expected {len(FIGURES)}"
-            )
-        if not block.present.all():
-            raise codec.CorruptBlock("rank rollup pack: a rank without all of its figures")
-        n, total, lo, hi, nonfinite = block.values
-        out.append((block.steps, [n.astype(np.int64), total, lo, hi, nonfinite.astype(np.int64)]))
-    return out
+def decode_many(
+    datas: Sequence[bytes], figures: Sequence[str] = FIGURES
+) -> list[tuple[np.ndarray, list[np.ndarray]]]:
+    """`decode` of each of `datas`, decoded together (`decode_columns`)."""
+    if not datas:
+        return []
+    ranks, sizes, columns = decode_columns(datas, figures)
+    cuts = np.cumsum(sizes)[:-1]
+    per_pack = [np.split(c, cuts) for c in columns]
+    return [(r, [c[i] for c in per_pack]) for i, r in enumerate(np.split(ranks, cuts))]
 
 
-def unpack_keyed(found: Sequence[Sequence[Any]]) -> tuple[list[np.ndarray], np.ndarray, list[np.ndarray]]:
+def decode_columns(
+    datas: Sequence[bytes], figures: Sequence[str] = FIGURES
+) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """The packs `datas` decoded together (codec.decode_flat) as columns: (every pack's ranks end to end,
+    the ranks each pack holds, the five figure columns). Only `figures` are decoded (a heatmap's means
+    need the counts and sums, not the extremes: ~35% less work); the others come back as NaN.
+    codec.CorruptBlock when one of `datas` is not a pack."""
+    unknown = [f for f in figures if f not in FIGURES]
+    if unknown or not figures:
+        raise ValueError(f"figures: {unknown[0] if unknown else None!r} is not one of {', '.join(FIGURES)}")
+    wanted = np.array(sorted({FIGURES.index(f) for f in figures}), dtype=np.int64)
+    flat = codec.decode_flat(datas, wanted)
+    if (flat.rows != len(FIGURES)).any():
+        rows = int(flat.rows[flat.rows != len(FIGURES)][0])
+        raise codec.CorruptBlock(f"rank rollup pack: {rows} rows, expected {len(FIGURES)}")
+    if (flat.sizes != wanted.size * flat.width).any():
+        raise codec.CorruptBlock("rank rollup pack: a rank without all of its figures")
+    first = flat.series == wanted[0]
+    columns = []
+    for i in range(len(FIGURES)):
+        if i not in wanted:
+            columns.append(np.full(int(flat.width.sum()), np.nan))
+        else:
+            column = flat.value[flat.series == i]
+            columns.append(column.astype(np.int64) if i in (0, 4) else column)
+    return flat.step[first], flat.width, columns
+
+
+def unpack_keyed(
+    found: Sequence[Sequence[Any]], figures: Sequence[str] = FIGURES
+) -> tuple[list[np.ndarray], np.ndarray, list[np.ndarray]]:
     """Rows (*keys, data) of packs, at least one -> (each key column, one entry per rank of each pack; the ranks
-    (or steps, for a step rollup pack); the five figure columns), pack by pack."""
-    decoded = decode_many([bytes(row[-1]) for row in found])
-    sizes = [ranks.size for ranks, _ in decoded]
+    (or steps, for a step rollup pack); the five figure columns, NaN where not in `figures`), pack by pack."""
+    ranks, sizes, columns = decode_columns([bytes(row[-1]) for row in found], figures)
     keys = [
         np.repeat(np.array([row[i] for row in found], dtype=np.int64), sizes)
         for i in range(len(found[0]) - 1)
     ]
-    ranks = np.concatenate([r for r, _ in decoded])
-    return keys, ranks, [np.concatenate([f[i] for _, f in decoded]) for i in range(len(FIGURES))]
+    return keys, ranks, columns
 
 
 def group_starts(keys: Sequence[np.ndarray]) -> np.ndarray:
@@ -188,9 +212,16 @@ def remove(conn: Connection, ids: Sequence[int], level: int, lo: int, hi: int) -
         conn.execute(delete(p).where(p.series_id.in_(part), p.level == level, p.bucket >= lo, p.bucket < hi))
 
 
-def read(conn: Connection, ids: Sequence[int], level: int, first: int, last: int | None) -> list[np.ndarray]:
+def read(
+    conn: Connection,
+    ids: Sequence[int],
+    level: int,
+    first: int,
+    last: int | None,
+    figures: Sequence[str] = FIGURES,
+) -> list[np.ndarray]:
     """The figures of series `ids` at `level` in buckets first..last (None: to the end), one row per
-    (series, rank, bucket, incarnation), sorted by that key."""
+    (series, rank, bucket, incarnation), sorted by that key; only `figures` decoded, the others NaN."""
     p = RankRollupPack
     found: list[Any] = []
     for part in chunks(sorted(ids), chunk_size(conn, fixed=3)):
@@ -200,15 +231,15 @@ def read(conn: Connection, ids: Sequence[int], level: int, first: int, last: int
         if last is not None:
             q = q.where(p.bucket <= last)
         found += conn.execute(q).all()
-    return unpack(found)
+    return unpack(found, figures)
 
 
-def unpack(found: Sequence[Any]) -> list[np.ndarray]:
+def unpack(found: Sequence[Any], figures: Sequence[str] = FIGURES) -> list[np.ndarray]:
     """Rows of (series_id, bucket, incarnation, data) -> columns, one row per rank, sorted by
-    (series, rank, bucket, incarnation)."""
+    (series, rank, bucket, incarnation); only `figures` decoded, the others NaN."""
     if not found:
         return empty()
-    (sid, bucket, inc), rank, figures = unpack_keyed(found)
-    cols = [sid, rank, bucket, inc, *figures]
+    (sid, bucket, inc), rank, columns = unpack_keyed(found, figures)
+    cols = [sid, rank, bucket, inc, *columns]
     order = np.lexsort((inc, bucket, rank, sid))
     return [c[order] for c in cols]

@@ -5,6 +5,8 @@ an exact step range from the fewest whole buckets (`read_span`), and the per-ran
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 from sqlalchemy import Connection
 
@@ -27,17 +29,23 @@ RAW_READ_BUDGET = 200_000  # above this many raw values, a heatmap or series?ran
 
 
 def read(
-    conn: Connection, ids: list[int], from_step: int | None, to_step: int | None, level: int = 0
+    conn: Connection,
+    ids: list[int],
+    from_step: int | None,
+    to_step: int | None,
+    level: int = 0,
+    figures: Sequence[str] = rank_packs.FIGURES,
 ) -> Buckets:
     """Per (series, rank, bucket of `level_steps(level)` steps) covering from_step..to_step (whole
     buckets): the rank rollups of the level's buckets wholly up to the watermark, the rest summed
-    from the level below (from the raw points below level 0)."""
+    from the level below (from the raw points below level 0). Of the stored rollups only `figures` are
+    decoded (rank_packs.decode_columns): the others may be NaN."""
     if not ids:
         return empty()
     width = level_steps(level)
     first, last = (from_step or 0) // width, None if to_step is None else to_step // width
     ranks = run_ranks(conn, run_ids_of(conn, ids))
-    return _read_level(conn, ids, level, first, last, rolled_to(conn, ids), ranks)
+    return _read_level(conn, ids, level, first, last, rolled_to(conn, ids), ranks, figures)
 
 
 def _read_level(
@@ -48,6 +56,7 @@ def _read_level(
     last: int | None,
     mark: int,
     ranks: list[int] | None,
+    figures: Sequence[str] = rank_packs.FIGURES,
 ) -> Buckets:
     """Buckets first..last (None: to the end) of `level`. The rows of the buckets below the cut (the
     first bucket not wholly up to `mark`) come from the table, a bucket of several incarnations is
@@ -58,7 +67,9 @@ def _read_level(
     cut = (mark + 1) // width
     parts: list[Buckets] = []
     if first < cut:
-        cols = rank_packs.read(conn, ids, level, first, cut - 1 if last is None else min(cut - 1, last))
+        cols = rank_packs.read(
+            conn, ids, level, first, cut - 1 if last is None else min(cut - 1, last), figures
+        )
         if ranks is not None:
             inside = np.isin(cols[1], ranks)
             cols = [c[inside] for c in cols]
@@ -66,7 +77,8 @@ def _read_level(
         def exact(sid: int, bucket: int) -> Buckets:
             if level == 0:
                 return from_points(conn, [sid], bucket * width, bucket * width + width - 1, False, width)
-            return coarsen(_read_level(conn, [sid], level - 1, 2 * bucket, 2 * bucket + 1, mark, ranks), 2)
+            below = _read_level(conn, [sid], level - 1, 2 * bucket, 2 * bucket + 1, mark, ranks, figures)
+            return coarsen(below, 2)
 
         parts.append(resolve(cols, exact))
     tail = max(cut, first)
@@ -76,7 +88,8 @@ def _read_level(
             parts.append(from_points(conn, ids, tail * width, tail_last, False, width))
         else:
             below_last = None if last is None else 2 * last + 1
-            parts.append(coarsen(_read_level(conn, ids, level - 1, 2 * tail, below_last, mark, ranks), 2))
+            below = _read_level(conn, ids, level - 1, 2 * tail, below_last, mark, ranks, figures)
+            parts.append(coarsen(below, 2))
     return merge(*parts) if parts else empty()
 
 
@@ -121,18 +134,24 @@ def column_level(first_step: int, last_step: int, columns: int) -> int:
 
 
 def read_columns(
-    conn: Connection, sid: int, first_step: int, last_step: int, columns: int
+    conn: Connection,
+    sid: int,
+    first_step: int,
+    last_step: int,
+    columns: int,
+    figures: Sequence[str] = rank_packs.FIGURES,
 ) -> tuple[Buckets, int, int]:
     """Series `sid`'s figures per (rank, column) over first_step..last_step in at most `columns`
     columns of whole buckets of `column_level` (several buckets per column only past the coarsest
     level): (the cells, with `bucket` the column's index; the first column's first step; the
     width of a column in steps). Columns are aligned to the level's buckets, so the first and the
-    last may reach past the range by up to a column's width (their `steps` say where they start)."""
+    last may reach past the range by up to a column's width (their `steps` say where they start).
+    `figures`: as `read`'s."""
     level = column_level(first_step, last_step, columns)
     width = level_steps(level)
     first, last = first_step // width, last_step // width
     per_column = -(-(last - first + 1) // columns)
-    cells = read(conn, [sid], first * width, last * width + width - 1, level)
+    cells = read(conn, [sid], first * width, last * width + width - 1, level, figures)
     return coarsen(cells, per_column, offset=first), first * width, per_column * width
 
 

@@ -525,13 +525,16 @@ def _parse(data: bytes) -> _Parsed:
 @dataclass(frozen=True, slots=True)
 class Flat:
     """Many blocks' present values as columns: block by block (`block`: its index among those decoded),
-    each block's rows in their order, each row's values in step order; `sizes`: the values of each block."""
+    each block's rows in their order, each row's values in step order; `sizes`: the values of each block
+    (of the rows decoded), `rows` and `width`: each block's rows and steps (all of them)."""
 
     block: np.ndarray  # int64
     series: np.ndarray  # int64
     step: np.ndarray  # int64
     value: np.ndarray  # float64
     sizes: np.ndarray  # int64, one per block
+    rows: np.ndarray  # int64, one per block
+    width: np.ndarray  # int64, one per block
 
 
 def decode_many(datas: Sequence[bytes]) -> list[Block]:
@@ -567,9 +570,10 @@ def decode_flat(datas: Sequence[bytes], wanted: np.ndarray | None = None) -> Fla
     first_row = _starts(rows_of)
     block_of_row = np.repeat(np.arange(len(parsed), dtype=np.int64), rows_of)
     sizes = np.bincount(block_of_row, weights=row_len, minlength=len(parsed)).astype(np.int64)
+    width = np.array([p.steps.size for p in parsed], dtype=np.int64)
     if not values.size:
         none = np.zeros(0, dtype=np.int64)
-        return Flat(none, none, none, values, sizes)
+        return Flat(none, none, none, values, sizes, rows_of, width)
     series = np.repeat(row_series, row_len)
     block = np.repeat(np.arange(len(parsed), dtype=np.int64), sizes)
     position = np.arange(values.size, dtype=np.int64) - np.repeat(_starts(row_len), row_len)  # in its row
@@ -580,9 +584,8 @@ def decode_flat(datas: Sequence[bytes], wanted: np.ndarray | None = None) -> Fla
                 p.present if keep is None else p.present[keep[first_row[b] : first_row[b] + len(p.per_row)]]
             )
             position[starts[b] : starts[b] + sizes[b]] = np.nonzero(rows)[1]
-    step_starts = _starts(np.array([p.steps.size for p in parsed], dtype=np.int64))
     steps = np.concatenate([p.steps for p in parsed])
-    return Flat(block, series, steps[step_starts[block] + position], values, sizes)
+    return Flat(block, series, steps[_starts(width)[block] + position], values, sizes, rows_of, width)
 
 
 def _flat_values(parsed: Sequence[_Parsed], keep: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
