@@ -24,6 +24,11 @@ another, as often: the calls alone add up to the collector's work for one open).
     .venv/bin/python bench/dashboard_load.py                              # 100k x 512 on SQLite (long)
     .venv/bin/python bench/dashboard_load.py --steps 10000 --ranks 64 --backends sqlite,postgresql
     .venv/bin/python bench/dashboard_load.py --steps 20000 --ranks 256 --backends sqlite,postgresql --compact
+    .venv/bin/python bench/dashboard_load.py --steps 10000 --ranks 512 --backends postgresql \
+        --postgresql-database bench_10k_512            # kept: a second call measures the page again
+
+`--sqlite-file` and `--postgresql-database` keep the run's database for later calls, which reuse it (the
+write is the long part); without them each call writes a fresh one and drops it.
 
 `--compact` then moves the run into compressed blocks (runs/compaction.py, timed), gives the deleted
 rows' space back (VACUUM) and measures the disk use and the page again: the two layouts side by side.
@@ -38,6 +43,7 @@ import concurrent.futures
 import contextlib
 import datetime as dt
 import json
+import re
 import sqlite3
 import statistics
 import sys
@@ -317,13 +323,30 @@ def migrate(database_url: str) -> float:
     return seconds
 
 
+def kept_database(backend: str, args: argparse.Namespace) -> str | None:
+    """The URL of the database `--sqlite-file` or `--postgresql-database` keeps for `backend` (a PostgreSQL
+    one created if absent), or None: a fresh one, dropped after."""
+    if backend == "sqlite" and args.sqlite_file is not None:
+        return f"sqlite:///{args.sqlite_file.resolve()}"
+    if backend == "postgresql" and args.postgresql_database is not None:
+        import psycopg
+
+        name = args.postgresql_database
+        if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", name):
+            raise SystemExit(
+                f"--postgresql-database: {name!r} is not a plain name (a-z, 0-9, _); pass e.g. bench_10k"
+            )
+        with psycopg.connect(_servers.PG_ADMIN_DSN, autocommit=True, connect_timeout=10) as admin:
+            if admin.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone() is None:
+                admin.execute(f'CREATE DATABASE "{name}"')
+        return _servers.PG_URL.format(db=name)
+    return None
+
+
 def bench(backend: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    kept = backend == "sqlite" and args.sqlite_file is not None
-    place = (
-        contextlib.nullcontext(f"sqlite:///{args.sqlite_file.resolve()}")
-        if kept
-        else _servers.database(backend, "dashboard", tmp)
-    )
+    kept_url = kept_database(backend, args)
+    kept = kept_url is not None
+    place = contextlib.nullcontext(kept_url) if kept else _servers.database(backend, "dashboard", tmp)
     with contextlib.ExitStack() as stack:
         url = stack.enter_context(place)
         migrated_s = migrate(url) if kept else None  # a kept file written by an older schema: timed here
@@ -335,13 +358,10 @@ def bench(backend: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         if before is not None:
             if (before["steps"], before["ranks"]) != (args.steps, args.ranks):
                 raise SystemExit(
-                    f"{args.sqlite_file} holds {before['steps']:,} rolled-up steps x {before['ranks']} ranks, "
+                    f"{url} holds {before['steps']:,} rolled-up steps x {before['ranks']} ranks, "
                     f"not {args.steps:,} x {args.ranks}: pass those sizes, or delete it (an interrupted write)"
                 )
-            print(
-                f"{backend}: reusing {args.sqlite_file} ({args.steps:,} steps x {args.ranks} ranks)",
-                flush=True,
-            )
+            print(f"{backend}: reusing {url} ({args.steps:,} steps x {args.ranks} ranks)", flush=True)
             written: dict[str, Any] = {**before, "migrate_s": migrated_s}
         else:
             print(f"{backend}: writing {args.steps:,} steps x {args.ranks} ranks", flush=True)
@@ -542,6 +562,12 @@ def main() -> int:
         type=Path,
         default=None,
         help="SQLite: write the run into this file and keep it; a file that holds it already is reused",
+    )
+    parser.add_argument(
+        "--postgresql-database",
+        default=None,
+        help="PostgreSQL: write the run into this database (created if absent) and keep it; one that holds it "
+        "already is reused (DROP DATABASE it when done)",
     )
     args = parser.parse_args()
     results = []
