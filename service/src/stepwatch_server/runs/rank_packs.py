@@ -36,6 +36,7 @@ from stepwatch_server.storage.models import RankRollupPack
 FIGURES = ("n", "total", "lo", "hi", "nonfinite")
 COLUMNS = ("series_id", "rank", "bucket", "incarnation", *FIGURES)
 INTEGERS = (0, 1, 2, 3, 4, 8)  # the integer columns of COLUMNS
+_COUNTS = ("n", "nonfinite")  # the figures that are whole numbers
 _ROWS = np.arange(len(FIGURES), dtype=np.int64)
 _INSERT_ROWS = 1_000  # rows per INSERT: a row is PART_BYTES or so
 # A pack over this many bytes is stored in parts of consecutive ranks of about this size: SQLite keeps a row
@@ -77,7 +78,7 @@ def decode_columns(
 ) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
     """The packs `datas` decoded together (codec.decode_flat) as columns: (every pack's ranks end to end,
     the ranks each pack holds, the five figure columns). Only `figures` are decoded (a heatmap's means
-    need the counts and sums, not the extremes: ~35% less work); the others come back as NaN.
+    need the counts and sums, not the extremes: about a third less work); the others come back as NaN.
     codec.CorruptBlock when one of `datas` is not a pack."""
     unknown = [f for f in figures if f not in FIGURES]
     if unknown or not figures:
@@ -96,7 +97,7 @@ def decode_columns(
             columns.append(np.full(int(flat.width.sum()), np.nan))
         else:
             column = flat.value[flat.series == i]
-            columns.append(column.astype(np.int64) if i in (0, 4) else column)
+            columns.append(column.astype(np.int64) if FIGURES[i] in _COUNTS else column)
     return flat.step[first], flat.width, columns
 
 
