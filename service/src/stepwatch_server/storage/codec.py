@@ -34,6 +34,7 @@ raises `CorruptBlock` naming what is wrong.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 from collections.abc import Sequence
@@ -452,6 +453,18 @@ _NO_WORDS = {dtype: np.zeros(0, dtype=dtype) for dtype in _CLASSES}
 _BAD_MODES = bytes(int((b & 0x0F) not in (4, 8) or (b >> 4) > DELTA2) for b in range(256))
 
 
+def _read_series(raw: bytes, buf: np.ndarray, pos: int, m: int) -> tuple[np.ndarray, int]:
+    """A block's `m` series ids (zigzag varints of their differences, the first from 0) at `pos`, and the
+    position after them. A few (a pack's five rows) are read in Python: numpy's calls cost more there."""
+    if m <= _FEW_VARINTS:
+        words, end = _varint_list(raw, pos, m)
+        with contextlib.suppress(OverflowError):  # past int64 (a corrupt block): numpy's wrapping, below
+            ids = itertools.accumulate((u >> 1) ^ -(u & 1) for u in words)
+            return np.fromiter(ids, dtype=np.int64, count=m), end
+    deltas, pos = _read_varints(buf, pos, m)
+    return np.cumsum(_unzigzag(deltas)), pos
+
+
 def _parse(data: bytes) -> _Parsed:
     try:
         raw = _zstd()[1].decompress(data, max_output_size=MAX_BLOCK_BYTES)
@@ -474,10 +487,7 @@ def _parse(data: bytes) -> _Parsed:
             step_gaps = gaps.view(np.int64) + 1  # each gap was written minus one, the first step as it is
             step_gaps[0] -= 1
             steps = np.cumsum(step_gaps)
-    series = np.zeros(0, dtype=np.int64)
-    if m:
-        deltas, pos = _read_varints(buf, pos, m)
-        series = np.cumsum(_unzigzag(deltas))
+    series, pos = _read_series(raw, buf, pos, m)
     if pos >= len(raw):
         raise CorruptBlock("block: ends before its presence byte")
     present = None
