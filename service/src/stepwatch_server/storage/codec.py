@@ -458,7 +458,7 @@ def _read_series(raw: bytes, buf: np.ndarray, pos: int, m: int) -> tuple[np.ndar
     position after them. A few (a pack's five rows) are read in Python: numpy's calls cost more there."""
     if m <= _FEW_VARINTS:
         words, end = _varint_list(raw, pos, m)
-        with contextlib.suppress(OverflowError):  # past int64 (a corrupt block): numpy's wrapping, below
+        with contextlib.suppress(OverflowError):  # ids near the ends of int64: numpy's wrapping, below
             ids = itertools.accumulate((u >> 1) ^ -(u & 1) for u in words)
             return np.fromiter(ids, dtype=np.int64, count=m), end
     deltas, pos = _read_varints(buf, pos, m)
