@@ -145,6 +145,17 @@ def test_blocks_decoded_as_columns_hold_each_present_value_at_its_series_and_ste
         decode_flat([encode(block) for block in many] + [b"not a block"])
 
 
+def test_series_ids_at_the_ends_of_int64_come_back() -> None:
+    """A block's few series ids are read in Python (`_read_series`); their differences past int64 wrap as the
+    encoder's do, so every int64 id comes back."""
+    for ids in ([-(2**63), 2**63 - 1], [2**63 - 1, -(2**63), 0], [5, -(2**63) + 1, 2**62]):
+        block = Block(
+            np.arange(3), np.array(ids, dtype=np.int64), np.zeros((len(ids), 3)), np.ones((len(ids), 3), bool)
+        )
+        assert decode(encode(block)).series.tolist() == ids
+        assert decode_flat([encode(block)]).series.tolist() == [i for i in ids for _ in range(3)]
+
+
 def test_the_special_values_in_rows_of_each_width_come_back() -> None:
     special = np.array(SPECIAL * 3, dtype=np.float64)
     narrow = special[np.isfinite(special) & (np.abs(special) < 3e38)].astype(np.float32).astype(np.float64)
