@@ -170,6 +170,18 @@ PG_ADMIN_DSN = os.environ.get("STEPWATCH_BENCH_PG_ADMIN", "postgresql://postgres
 PG_URL = os.environ.get("STEPWATCH_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/{db}")
 
 
+def postgresql_database(db: str, *, keep_existing: bool = False) -> str:
+    """Create the PostgreSQL database `db` (a plain name; with `keep_existing`, one that exists is kept as it
+    is) and give its URL."""
+    import psycopg
+
+    with psycopg.connect(PG_ADMIN_DSN, autocommit=True, connect_timeout=10) as admin:
+        exists = admin.execute("SELECT 1 FROM pg_database WHERE datname = %s", (db,)).fetchone() is not None
+        if not (exists and keep_existing):
+            admin.execute(f'CREATE DATABASE "{db}"')
+    return PG_URL.format(db=db)
+
+
 @contextlib.contextmanager
 def database(backend: str, name: str, tmp: Path) -> Iterator[str]:
     """A fresh database for one benchmark: an SQLite file in `tmp`, or a PostgreSQL database dropped after."""
@@ -179,10 +191,9 @@ def database(backend: str, name: str, tmp: Path) -> Iterator[str]:
     import psycopg
 
     db = f"stepwatch_{name.replace('-', '_')}_{os.getpid()}_{int(time.time())}"
-    with psycopg.connect(PG_ADMIN_DSN, autocommit=True, connect_timeout=10) as admin:
-        admin.execute(f'CREATE DATABASE "{db}"')
+    url = postgresql_database(db)
     try:
-        yield PG_URL.format(db=db)
+        yield url
     finally:
         with psycopg.connect(PG_ADMIN_DSN, autocommit=True, connect_timeout=10) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')

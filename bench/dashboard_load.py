@@ -329,17 +329,12 @@ def kept_database(backend: str, args: argparse.Namespace) -> str | None:
     if backend == "sqlite" and args.sqlite_file is not None:
         return f"sqlite:///{args.sqlite_file.resolve()}"
     if backend == "postgresql" and args.postgresql_database is not None:
-        import psycopg
-
         name = args.postgresql_database
         if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", name):
             raise SystemExit(
                 f"--postgresql-database: {name!r} is not a plain name (a-z, 0-9, _); pass e.g. bench_10k"
             )
-        with psycopg.connect(_servers.PG_ADMIN_DSN, autocommit=True, connect_timeout=10) as admin:
-            if admin.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone() is None:
-                admin.execute(f'CREATE DATABASE "{name}"')
-        return _servers.PG_URL.format(db=name)
+        return _servers.postgresql_database(name, keep_existing=True)
     return None
 
 

@@ -57,6 +57,8 @@ def test_a_pack_gives_back_every_figure_bit_for_bit() -> None:
         rank_packs.decode(b"not a pack")
     with pytest.raises(ValueError, match="figures: 'mean' is not one of n, total, lo, hi, nonfinite"):
         rank_packs.decode_many([rank_packs.encode(np.arange(2), _figures(rng, 2))], ("n", "mean"))
+    with pytest.raises(ValueError, match="figures: none asked for; name at least one of n, total"):
+        rank_packs.decode_many([rank_packs.encode(np.arange(2), _figures(rng, 2))], ())
     block = codec.Block(np.arange(3), np.arange(2), np.zeros((2, 3)), np.ones((2, 3), dtype=bool))
     with pytest.raises(codec.CorruptBlock, match="2 rows, expected 5"):
         rank_packs.decode(codec.encode(block))  # a value block, not a pack

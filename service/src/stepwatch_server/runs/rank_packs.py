@@ -36,7 +36,7 @@ from stepwatch_server.storage.models import RankRollupPack
 FIGURES = ("n", "total", "lo", "hi", "nonfinite")
 COLUMNS = ("series_id", "rank", "bucket", "incarnation", *FIGURES)
 INTEGERS = (0, 1, 2, 3, 4, 8)  # the integer columns of COLUMNS
-_COUNTS = ("n", "nonfinite")  # the figures that are whole numbers
+_COUNTS = tuple(COLUMNS[i] for i in INTEGERS if COLUMNS[i] in FIGURES)  # the figures that are whole numbers
 _ROWS = np.arange(len(FIGURES), dtype=np.int64)
 _INSERT_ROWS = 1_000  # rows per INSERT: a row is PART_BYTES or so
 # A pack over this many bytes is stored in parts of consecutive ranks of about this size: SQLite keeps a row
@@ -80,9 +80,11 @@ def decode_columns(
     the ranks each pack holds, the five figure columns). Only `figures` are decoded (a heatmap's means
     need the counts and sums, not the extremes: about a third less work); the others come back as NaN.
     codec.CorruptBlock when one of `datas` is not a pack."""
+    if not figures:
+        raise ValueError(f"figures: none asked for; name at least one of {', '.join(FIGURES)}")
     unknown = [f for f in figures if f not in FIGURES]
-    if unknown or not figures:
-        raise ValueError(f"figures: {unknown[0] if unknown else None!r} is not one of {', '.join(FIGURES)}")
+    if unknown:
+        raise ValueError(f"figures: {unknown[0]!r} is not one of {', '.join(FIGURES)}")
     wanted = np.array(sorted({FIGURES.index(f) for f in figures}), dtype=np.int64)
     flat = codec.decode_flat(datas, wanted)
     if (flat.rows != len(FIGURES)).any():
