@@ -192,6 +192,62 @@ def test_mean_curve_is_the_raw_mean_over_ranks_with_extremes_kept(
     assert pytest.approx((2.0 + 102.0 + 2.0) / 3, abs=0.05) in values.tolist()  # incarnation 2 from 630
 
 
+def test_groups_read_a_seek_a_group_equal_the_group_by_bit_for_bit(
+    engine: Engine, worker: RollupWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Groups of SEEK_PER steps or more are aggregated a seek a group (on SQLite sent back as text): the
+    same figures, bit for bit, as the one GROUP BY gives, for values of every magnitude (subnormals, up
+    to 1e307), a NaN, a gap, a restart and ranges that start and end inside a group."""
+    ids = _write(engine, worker)
+    rng = np.random.default_rng(7)
+    steps = np.array([s for s in range(STEPS) if not 200 <= s < 420])  # a gap of whole groups
+    with engine.begin() as conn:
+        run_id = conn.execute(select(Series.run_id).where(Series.id == ids["loss"])).scalar_one()
+        wild = conn.execute(
+            insert(Series).values(run_id=run_id, stat="", name="wild").returning(Series.id)
+        ).scalar_one()
+        values = rng.standard_normal((RANKS, steps.size)) * 10.0 ** rng.integers(
+            -310, 307, (RANKS, steps.size)
+        )
+        values[1, 280] = float("nan")  # step 500, in every range below
+        values[2, 60] = 5e-324
+        insert_points(
+            conn,
+            [
+                (wild, r, int(s), 1, float(v))
+                for r in range(RANKS)
+                for s, v in zip(steps, values[r], strict=True)
+            ],
+        )
+    worker.submit(run_id, 0, STEPS - 1)
+    assert worker.wait_idle(CATCH_UP_S)
+    every = [*ids.values(), wild]
+    with engine.connect() as conn:
+        for first, last, max_points in ((None, None, 64), (None, None, 16), (37, 999, 20), (100, 1023, 8)):
+            seeks = step_rollups.across_ranks(conn, every, first, last, max_points)
+            params = {"ids": every, "first": seeks.first, "last": STEPS - 1, "per": seeks.per}
+            rows = sorted(step_rollups._grouped_rows(conn, params), key=lambda r: (r[0], r[1]))
+            with monkeypatch.context() as m:
+                m.setattr(step_rollups, "SEEK_PER", 2**62)  # every group by the GROUP BY
+                grouped = step_rollups.across_ranks(conn, every, first, last, max_points)
+                by_group = sorted(step_rollups._grouped_rows(conn, params), key=lambda r: (r[0], r[1]))
+            assert seeks.per >= step_rollups.SEEK_PER and (seeks.first, seeks.per) == (
+                grouped.first,
+                grouped.per,
+            )
+            assert len(rows) == len(by_group) > 0
+            for a, b in zip(rows, by_group, strict=True):
+                assert a[:2] == b[:2] and a[5:] == b[5:]  # series, group, non-finite count, incarnations
+                assert (
+                    np.array(a[2:5], dtype=np.float64).tobytes()
+                    == np.array(b[2:5], dtype=np.float64).tobytes()
+                )
+            for field in ("series_id", "group", "low_mean", "high_mean", "peak", "nonfinite"):
+                assert getattr(seeks, field).tobytes() == getattr(grouped, field).tobytes(), field
+            assert seeks.of(wild).nonfinite.sum() == 1  # the NaN
+            assert np.nanmax(np.abs(seeks.of(wild).peak)) > 1e300  # magnitudes near the top kept
+
+
 def test_amax_curve_is_the_max_over_ranks(engine: Engine, worker: RollupWorker) -> None:
     ids = _write(engine, worker)
     with engine.connect() as conn:
