@@ -195,8 +195,8 @@ def test_mean_curve_is_the_raw_mean_over_ranks_with_extremes_kept(
 def test_groups_read_a_seek_a_group_equal_the_group_by_bit_for_bit(
     engine: Engine, worker: RollupWorker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Groups of SEEK_PER steps or more are aggregated a seek a group (on SQLite sent back as text): the
-    same figures, bit for bit, as the one GROUP BY gives, for values of every magnitude (subnormals, up
+    """Groups read a seek a group (on SQLite sent back as text) hold the same figures, bit for bit, as
+    the one GROUP BY gives, for values of every magnitude (subnormals, up
     to 1e307), a NaN, a gap, a restart and ranges that start and end inside a group."""
     ids = _write(engine, worker)
     rng = np.random.default_rng(7)
@@ -224,17 +224,20 @@ def test_groups_read_a_seek_a_group_equal_the_group_by_bit_for_bit(
     every = [*ids.values(), wild]
     with engine.connect() as conn:
         for first, last, max_points in ((None, None, 64), (None, None, 16), (37, 999, 20), (100, 1023, 8)):
-            seeks = step_rollups.across_ranks(conn, every, first, last, max_points)
-            params = {"ids": every, "first": seeks.first, "last": STEPS - 1, "per": seeks.per}
-            rows = sorted(step_rollups._grouped_rows(conn, params), key=lambda r: (r[0], r[1]))
-            with monkeypatch.context() as m:
-                m.setattr(step_rollups, "SEEK_PER", 2**62)  # every group by the GROUP BY
-                grouped = step_rollups.across_ranks(conn, every, first, last, max_points)
-                by_group = sorted(step_rollups._grouped_rows(conn, params), key=lambda r: (r[0], r[1]))
-            assert seeks.per >= step_rollups.SEEK_PER and (seeks.first, seeks.per) == (
-                grouped.first,
-                grouped.per,
-            )
+            found = []
+            for rows_a_group in (1, 2**40):  # every range by seeks, then every one by the GROUP BY
+                with monkeypatch.context() as m:
+                    m.setattr(
+                        step_rollups, "_SEEK_ROWS", dict.fromkeys(("sqlite", "postgresql"), rows_a_group)
+                    )
+                    groups = step_rollups.across_ranks(conn, every, first, last, max_points)
+                    params = {"ids": every, "first": groups.first, "last": STEPS - 1, "per": groups.per}
+                    assert step_rollups._by_seeks(conn, params) == (rows_a_group == 1)
+                    found.append(
+                        (groups, sorted(step_rollups._grouped_rows(conn, params), key=lambda r: r[:2]))
+                    )
+            (seeks, rows), (grouped, by_group) = found
+            assert (seeks.first, seeks.per) == (grouped.first, grouped.per)
             assert len(rows) == len(by_group) > 0
             for a, b in zip(rows, by_group, strict=True):
                 assert a[:2] == b[:2] and a[5:] == b[5:]  # series, group, non-finite count, incarnations
@@ -246,6 +249,24 @@ def test_groups_read_a_seek_a_group_equal_the_group_by_bit_for_bit(
                 assert getattr(seeks, field).tobytes() == getattr(grouped, field).tobytes(), field
             assert seeks.of(wild).nonfinite.sum() == 1  # the NaN
             assert np.nanmax(np.abs(seeks.of(wild).peak)) > 1e300  # magnitudes near the top kept
+
+
+def test_groups_are_read_by_seeks_only_where_they_hold_enough_rows(
+    engine: Engine, worker: RollupWorker
+) -> None:
+    """A seek a group pays where a group holds _SEEK_ROWS rows or more on average: a series with a row a
+    step in groups of that many steps, not in smaller ones; a module's amax (a row every 10th step) not in
+    groups of five times that many steps, in one group of the whole run."""
+    ids = _write(engine, worker)
+    with engine.connect() as conn:
+        need = step_rollups._SEEK_ROWS[conn.dialect.name]
+
+        def by_seeks(sid: int, per: int) -> bool:
+            return step_rollups._by_seeks(conn, {"ids": [sid], "first": 0, "last": STEPS - 1, "per": per})
+
+        assert by_seeks(ids["loss"], need) and not by_seeks(ids["loss"], need - 1)
+        assert not by_seeks(ids["fc1"], 5 * need) and by_seeks(ids["fc1"], STEPS)
+        assert by_seeks(ids["loss"], 5 * need) and not by_seeks(ids["fc1"], 5 * need)
 
 
 def test_amax_curve_is_the_max_over_ranks(engine: Engine, worker: RollupWorker) -> None:

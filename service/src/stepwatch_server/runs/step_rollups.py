@@ -110,12 +110,20 @@ _GROUPS_QUERY = expanding(
     "WHERE series_id IN :ids AND step >= :first AND step <= :last GROUP BY series_id, g",
     False,
 )
-# Groups of SEEK_PER steps or more are each aggregated over its own range of the primary key, one seek a
-# group, instead of by the GROUP BY above, which sorts every row of the range by its group first (SQLite: a
-# temporary B-tree): 100k steps in 800 groups took 168 ms a series on SQLite and 83 ms on PostgreSQL that
-# way, 94 and 41 ms this way; in groups of 1-13 steps the GROUP BY is as fast or faster (a seek costs
-# ~9 us on SQLite, ~15 on PostgreSQL; bench/README.md, 2026-12-07 (fourth stop)).
-SEEK_PER = 32
+# Where a range's groups hold enough rows, each group is aggregated over its own range of the primary key,
+# one seek a group, instead of by the GROUP BY above, which sorts every row of the range by its group first
+# on SQLite (a temporary B-tree) and hashes them on PostgreSQL. 100k steps of one series in 800 groups took
+# 168 ms on SQLite and 83 ms on PostgreSQL by the GROUP BY, 94 and 41 ms by seeks; a seek costs about what
+# the GROUP BY spends on _SEEK_ROWS rows (SQLite ~9 us against ~0.8 us a row, PostgreSQL ~15 against ~0.4),
+# so sparse series (a module's amax every 10th step, 2.5x slower by seeks on PostgreSQL) keep the GROUP BY.
+# Whether they do is counted (`_by_seeks`), up to that many rows a group (bench/README.md, 2026-12-07,
+# fourth stop).
+_SEEK_ROWS = {"sqlite": 12, "postgresql": 40}
+_PROBE_QUERY = expanding(
+    "SELECT count(*) FROM (SELECT 1 FROM step_rollups WHERE series_id IN :ids AND step >= :first "
+    "AND step <= :last LIMIT :enough) p",
+    False,
+)
 _IN_GROUP = "r.series_id = s.id AND r.step >= :first + g * :per AND r.step < :first + (g + 1) * :per AND r.step <= :last"
 _GROUPS = "(:last - :first) / :per"  # the last group's number
 _SEEK_QUERY = {
@@ -283,11 +291,22 @@ def across_ranks(
 def _grouped_rows(conn: Connection, params: dict[str, Any]) -> list[Any]:
     """The step rollup rows of `params` (ids, first, last, per) as (series, group, lowest mean, highest
     mean, highest value, non-finite count, lowest and highest incarnation), one row a group that holds any,
-    in no order: by one GROUP BY, or by a seek a group where groups are SEEK_PER steps or more."""
-    if params["per"] < SEEK_PER:
+    in no order: by one GROUP BY, or by a seek a group where the groups hold enough rows (`_by_seeks`)."""
+    if not _by_seeks(conn, params):
         return list(conn.execute(_GROUPS_QUERY, params).all())
     rows = conn.execute(_SEEK_QUERY[conn.dialect.name], params).all()
     return [_parse_text(r) for r in rows if r[2] is not None] if conn.dialect.name == "sqlite" else list(rows)
+
+
+def _by_seeks(conn: Connection, params: dict[str, Any]) -> bool:
+    """Whether the groups of `params` hold _SEEK_ROWS rows on average or more (counted up to that many:
+    ~1 ms a series on SQLite where the aggregation takes ~100)."""
+    rows_a_group = _SEEK_ROWS[conn.dialect.name]
+    if params["per"] < rows_a_group:  # fewer steps a group than that: fewer rows, but for a restart's
+        return False
+    groups = (params["last"] - params["first"]) // params["per"] + 1
+    enough = rows_a_group * groups * len(params["ids"])
+    return int(conn.execute(_PROBE_QUERY, {**params, "enough": enough}).scalar_one()) >= enough
 
 
 def _parse_text(row: Any) -> tuple[Any, ...]:
