@@ -124,7 +124,9 @@ _PROBE_QUERY = expanding(
     "AND step <= :last LIMIT :enough) p",
     False,
 )
-_IN_GROUP = "r.series_id = s.id AND r.step >= :first + g * :per AND r.step < :first + (g + 1) * :per AND r.step <= :last"
+_IN_GROUP = (  # group g's rows of series s.id
+    "r.series_id = s.id AND r.step >= :first + g * :per AND r.step < :first + (g + 1) * :per AND r.step <= :last"
+)
 _GROUPS = "(:last - :first) / :per"  # the last group's number
 _SEEK_QUERY = {
     # PostgreSQL: a LATERAL subquery per (series, group)
