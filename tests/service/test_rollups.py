@@ -231,7 +231,8 @@ def test_groups_read_a_seek_a_group_equal_the_group_by_bit_for_bit(
                         step_rollups, "_SEEK_ROWS", dict.fromkeys(("sqlite", "postgresql"), rows_a_group)
                     )
                     groups = step_rollups.across_ranks(conn, every, first, last, max_points)
-                    params = {"ids": every, "first": groups.first, "last": STEPS - 1, "per": groups.per}
+                    end = STEPS - 1 if last is None else last
+                    params = {"ids": every, "first": groups.first, "last": end, "per": groups.per}
                     assert step_rollups._by_seeks(conn, params) == (rows_a_group == 1)
                     found.append(
                         (groups, sorted(step_rollups._grouped_rows(conn, params), key=lambda r: r[:2]))
@@ -266,7 +267,7 @@ def test_groups_are_read_by_seeks_only_where_they_hold_enough_rows(
 
         assert by_seeks(ids["loss"], need) and not by_seeks(ids["loss"], need - 1)
         assert not by_seeks(ids["fc1"], 5 * need) and by_seeks(ids["fc1"], STEPS)
-        assert by_seeks(ids["loss"], 5 * need) and not by_seeks(ids["fc1"], 5 * need)
+        assert by_seeks(ids["loss"], 5 * need)  # the same groups, a row a step
 
 
 def test_amax_curve_is_the_max_over_ranks(engine: Engine, worker: RollupWorker) -> None:

@@ -4,7 +4,7 @@ grouped into at most `max_points / 2` groups that keep their extremes."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,29 +128,36 @@ _IN_GROUP = (  # group g's rows of series s.id
     "r.series_id = s.id AND r.step >= :first + g * :per AND r.step < :first + (g + 1) * :per AND r.step <= :last"
 )
 _GROUPS = "(:last - :first) / :per"  # the last group's number
-_SEEK_QUERY = {
+_ReadRows = Callable[[Sequence[Any]], list[Any]]  # a query's rows as the GROUP BY's
+_SEEK_QUERY: dict[str, tuple[Any, _ReadRows]] = {  # per dialect: the query and how its rows are read
     # PostgreSQL: a LATERAL subquery per (series, group)
-    "postgresql": expanding(
-        f"SELECT s.id, g, a.low, a.high, a.peak, a.bad, a.inc_lo, a.inc_hi FROM series s "
-        f"CROSS JOIN generate_series(0, {_GROUPS}) g CROSS JOIN LATERAL (SELECT count(*) AS k, "
-        f"{_FIGURES} FROM step_rollups r WHERE {_IN_GROUP}) "
-        "AS a (k, low, high, peak, bad, inc_lo, inc_hi) WHERE s.id IN :ids AND a.k > 0",
-        False,
+    "postgresql": (
+        expanding(
+            f"SELECT s.id, g, a.low, a.high, a.peak, a.bad, a.inc_lo, a.inc_hi FROM series s "
+            f"CROSS JOIN generate_series(0, {_GROUPS}) g CROSS JOIN LATERAL (SELECT count(*) AS k, "
+            f"{_FIGURES} FROM step_rollups r WHERE {_IN_GROUP}) "
+            "AS a (k, low, high, peak, bad, inc_lo, inc_hi) WHERE s.id IN :ids AND a.k > 0",
+            False,
+        ),
+        list,
     ),
     # SQLite has no LATERAL and a scalar subquery gives one column, so the group's figures come back as one
     # text (`_parse_text`): floats as printf's %!.20e, which reads back bit for bit (checked on 300k random
     # doubles; %.17g is off by an ulp above ~1e190 in SQLite 3.40), NaN for none (NULL); NULL for a group
     # without rows, left out in Python (a filter on it in SQL would run the subquery twice).
-    "sqlite": expanding(
-        f"WITH RECURSIVE gs (g) AS (SELECT 0 UNION ALL SELECT g + 1 FROM gs WHERE g < {_GROUPS}) "
-        "SELECT s.id, g, (SELECT CASE WHEN count(*) > 0 THEN "
-        "printf('%d %d %d ', sum(nonfinite), min(incarnation), max(incarnation)) || "
-        + " || ' ' || ".join(
-            f"CASE WHEN {e} IS NULL THEN 'nan' ELSE printf('%!.20e', {e}) END"
-            for e in (f"min({_MEAN})", f"max({_MEAN})", "max(hi)")
-        )
-        + f" END FROM step_rollups r WHERE {_IN_GROUP}) FROM series s, gs WHERE s.id IN :ids",
-        False,
+    "sqlite": (
+        expanding(
+            f"WITH RECURSIVE gs (g) AS (SELECT 0 UNION ALL SELECT g + 1 FROM gs WHERE g < {_GROUPS}) "
+            "SELECT s.id, g, (SELECT CASE WHEN count(*) > 0 THEN "
+            "printf('%d %d %d ', sum(nonfinite), min(incarnation), max(incarnation)) || "
+            + " || ' ' || ".join(
+                f"CASE WHEN {e} IS NULL THEN 'nan' ELSE printf('%!.20e', {e}) END"
+                for e in (f"min({_MEAN})", f"max({_MEAN})", "max(hi)")
+            )
+            + f" END FROM step_rollups r WHERE {_IN_GROUP}) FROM series s, gs WHERE s.id IN :ids",
+            False,
+        ),
+        lambda rows: [_parse_text(r) for r in rows if r[2] is not None],
     ),
 }
 _GROUP_PARAMS = 12  # the most scalar parameters of a groups query (a name is bound once per use on SQLite)
@@ -296,8 +303,8 @@ def _grouped_rows(conn: Connection, params: dict[str, Any]) -> list[Any]:
     in no order: by one GROUP BY, or by a seek a group where the groups hold enough rows (`_by_seeks`)."""
     if not _by_seeks(conn, params):
         return list(conn.execute(_GROUPS_QUERY, params).all())
-    rows = conn.execute(_SEEK_QUERY[conn.dialect.name], params).all()
-    return [_parse_text(r) for r in rows if r[2] is not None] if conn.dialect.name == "sqlite" else list(rows)
+    query, read = _SEEK_QUERY[conn.dialect.name]
+    return read(conn.execute(query, params).all())
 
 
 def _by_seeks(conn: Connection, params: dict[str, Any]) -> bool:
