@@ -197,7 +197,8 @@ def test_groups_read_a_seek_a_group_equal_the_group_by_bit_for_bit(
 ) -> None:
     """Groups read a seek a group (on SQLite sent back as text) hold the same figures, bit for bit, as
     the one GROUP BY gives, for values of every magnitude (subnormals, up
-    to 1e307), a NaN, a gap, a restart and ranges that start and end inside a group."""
+    to 1e307), a NaN, a gap, a restart and ranges that start and end inside a group; and the peaks read
+    alone (the amax's) are the same peaks and non-finite counts."""
     ids = _write(engine, worker)
     rng = np.random.default_rng(7)
     steps = np.array([s for s in range(STEPS) if not 200 <= s < 420])  # a gap of whole groups
@@ -231,6 +232,10 @@ def test_groups_read_a_seek_a_group_equal_the_group_by_bit_for_bit(
                         step_rollups, "_SEEK_ROWS", dict.fromkeys(("sqlite", "postgresql"), rows_a_group)
                     )
                     groups = step_rollups.across_ranks(conn, every, first, last, max_points)
+                    peaks = step_rollups.across_ranks(conn, every, first, last, max_points, means=False)
+                    for field in ("series_id", "group", "peak", "nonfinite"):  # the restart's group as it is
+                        assert getattr(peaks, field).tobytes() == getattr(groups, field).tobytes(), field
+                    assert np.isnan(peaks.low_mean).all() and np.isnan(peaks.high_mean).all()
                     end = STEPS - 1 if last is None else last
                     params = {"ids": every, "first": groups.first, "last": end, "per": groups.per}
                     assert step_rollups._by_seeks(conn, params) == (rows_a_group == 1)

@@ -104,14 +104,10 @@ class Groups:
 
 
 _MEAN = "CASE WHEN n > 0 THEN total / n END"
-_FIGURES = f"min({_MEAN}), max({_MEAN}), max(hi), sum(nonfinite), min(incarnation), max(incarnation)"
-_GROUPS_QUERY = expanding(
-    f"SELECT series_id, (step - :first) / :per AS g, {_FIGURES} FROM step_rollups "
-    "WHERE series_id IN :ids AND step >= :first AND step <= :last GROUP BY series_id, g",
-    False,
-)
+_MEANS = f"min({_MEAN}), max({_MEAN})"
+_PEAKS = "max(hi), sum(nonfinite), min(incarnation), max(incarnation)"
 # Where a range's groups hold enough rows, each group is aggregated over its own range of the primary key,
-# one seek a group, instead of by the GROUP BY above, which sorts every row of the range by its group first
+# one seek a group, instead of by the GROUP BY, which sorts every row of the range by its group first
 # on SQLite (a temporary B-tree) and hashes them on PostgreSQL. 100k steps of one series in 800 groups took
 # 168 ms on SQLite and 83 ms on PostgreSQL by the GROUP BY, 94 and 41 ms by seeks; a seek costs about what
 # the GROUP BY spends on _SEEK_ROWS rows (SQLite ~9 us against ~0.8 us a row, PostgreSQL ~15 against ~0.4),
@@ -129,37 +125,51 @@ _IN_GROUP = (  # group g's rows of series s.id
 )
 _GROUPS = "(:last - :first) / :per"  # the last group's number
 _ReadRows = Callable[[Sequence[Any]], list[Any]]  # a query's rows as the GROUP BY's
-_SEEK_QUERY: dict[str, tuple[Any, _ReadRows]] = {  # per dialect: the query and how its rows are read
+
+
+def _group_queries(means: bool) -> tuple[Any, dict[str, tuple[Any, _ReadRows]]]:
+    """The GROUP BY, and per dialect the query by seeks with how its rows are read, giving (series, group,
+    lowest mean, highest mean, highest value, non-finite count, lowest and highest incarnation); without
+    `means` the two means are NULL and not computed (the amax reads the peaks alone: half the work a row)."""
+    figures = f"{_MEANS if means else 'NULL, NULL'}, {_PEAKS}"
+    by_group = expanding(
+        f"SELECT series_id, (step - :first) / :per AS g, {figures} FROM step_rollups "
+        "WHERE series_id IN :ids AND step >= :first AND step <= :last GROUP BY series_id, g",
+        False,
+    )
     # PostgreSQL: a LATERAL subquery per (series, group)
-    "postgresql": (
-        expanding(
-            f"SELECT s.id, g, a.low, a.high, a.peak, a.bad, a.inc_lo, a.inc_hi FROM series s "
-            f"CROSS JOIN generate_series(0, {_GROUPS}) g CROSS JOIN LATERAL (SELECT count(*) AS k, "
-            f"{_FIGURES} FROM step_rollups r WHERE {_IN_GROUP}) "
-            "AS a (k, low, high, peak, bad, inc_lo, inc_hi) WHERE s.id IN :ids AND a.k > 0",
-            False,
-        ),
-        list,
-    ),
+    lateral = expanding(
+        f"SELECT s.id, g, a.low, a.high, a.peak, a.bad, a.inc_lo, a.inc_hi FROM series s "
+        f"CROSS JOIN generate_series(0, {_GROUPS}) g CROSS JOIN LATERAL (SELECT count(*) AS k, "
+        f"{figures} FROM step_rollups r WHERE {_IN_GROUP}) "
+        "AS a (k, low, high, peak, bad, inc_lo, inc_hi) WHERE s.id IN :ids AND a.k > 0",
+        False,
+    )
     # SQLite has no LATERAL and a scalar subquery gives one column, so the group's figures come back as one
     # text (`_parse_text`): floats as printf's %!.20e, which reads back bit for bit (checked on 300k random
     # doubles; %.17g is off by an ulp above ~1e190 in SQLite 3.40), NaN for none (NULL); NULL for a group
     # without rows, left out in Python (a filter on it in SQL would run the subquery twice).
-    "sqlite": (
-        expanding(
-            f"WITH RECURSIVE gs (g) AS (SELECT 0 UNION ALL SELECT g + 1 FROM gs WHERE g < {_GROUPS}) "
-            "SELECT s.id, g, (SELECT CASE WHEN count(*) > 0 THEN "
-            "printf('%d %d %d ', sum(nonfinite), min(incarnation), max(incarnation)) || "
-            + " || ' ' || ".join(
-                f"CASE WHEN {e} IS NULL THEN 'nan' ELSE printf('%!.20e', {e}) END"
-                for e in (f"min({_MEAN})", f"max({_MEAN})", "max(hi)")
-            )
-            + f" END FROM step_rollups r WHERE {_IN_GROUP}) FROM series s, gs WHERE s.id IN :ids",
-            False,
-        ),
-        lambda rows: [_parse_text(r) for r in rows if r[2] is not None],
-    ),
-}
+    floats = [*((f"min({_MEAN})", f"max({_MEAN})") if means else ()), "max(hi)"]
+    text = " || ' ' || ".join(
+        [
+            *(() if means else ("'nan nan'",)),
+            *(f"CASE WHEN {e} IS NULL THEN 'nan' ELSE printf('%!.20e', {e}) END" for e in floats),
+        ]
+    )
+    scalar = expanding(
+        f"WITH RECURSIVE gs (g) AS (SELECT 0 UNION ALL SELECT g + 1 FROM gs WHERE g < {_GROUPS}) "
+        "SELECT s.id, g, (SELECT CASE WHEN count(*) > 0 THEN "
+        f"printf('%d %d %d ', sum(nonfinite), min(incarnation), max(incarnation)) || {text} "
+        f"END FROM step_rollups r WHERE {_IN_GROUP}) FROM series s, gs WHERE s.id IN :ids",
+        False,
+    )
+    return by_group, {
+        "postgresql": (lateral, list),
+        "sqlite": (scalar, lambda rows: [_parse_text(r) for r in rows if r[2] is not None]),
+    }
+
+
+_QUERIES = {means: _group_queries(means) for means in (True, False)}
 _GROUP_PARAMS = 12  # the most scalar parameters of a groups query (a name is bound once per use on SQLite)
 # A range's first and last step: per series the primary key's first and last entry in the range (a seek each,
 # on both databases), not an aggregate over every row: 100k steps took ~0.04-0.1 s a series on SQLite.
@@ -241,12 +251,18 @@ def _count_rows(conn: Connection, params: dict[str, Any], up_to: int | None) -> 
 
 
 def across_ranks(
-    conn: Connection, ids: list[int], from_step: int | None, to_step: int | None, max_points: int
+    conn: Connection,
+    ids: list[int],
+    from_step: int | None,
+    to_step: int | None,
+    max_points: int,
+    means: bool = True,
 ) -> Groups:
     """The step rollups of `ids` grouped into at most max_points / 2 groups per series (one step per
     group when the range has at most max_points steps): the rows in SQL, the packed steps with numpy.
     Groups that reach above the watermark, or hold a restart, are grouped from the exact per-step figures
-    (`read_steps`)."""
+    (`read_steps`). Without `means` only the peaks and non-finite counts are read (the means NaN), and a
+    restart inside a group is read as it is: a peak is the highest of both incarnations either way."""
     found = step_range(conn, ids, from_step, to_step, count_up_to=0) if ids else None
     if found is None:
         empty_i, empty_f = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64)
@@ -258,7 +274,8 @@ def across_ranks(
     tail_group = (mark + 1 - first) // per if mark < last else None  # the first group above the watermark
     rows: list[Any] = []
     for part in chunks(ids, chunk_size(conn, fixed=_GROUP_PARAMS)) if mark >= first else ():
-        rows += _grouped_rows(conn, {"ids": list(part), "first": first, "last": min(last, mark), "per": per})
+        params = {"ids": list(part), "first": first, "last": min(last, mark), "per": per}
+        rows += _grouped_rows(conn, params, means)
     grouped: list[tuple[np.ndarray, ...]] = []
     if rows:
         cols = list(zip(*rows, strict=True))
@@ -267,15 +284,17 @@ def across_ranks(
         )  # float columns: None -> nan
     packed = step_packs.read(conn, ids, first, min(last, mark)) if mark >= first else rank_packs.empty()
     if packed[0].size:  # compacted steps, grouped here as the query groups the rows
-        with np.errstate(invalid="ignore", divide="ignore"):
-            means = np.where(packed[4] > 0, packed[5] / np.maximum(packed[4], 1), np.nan)
+        step_means = np.full(packed[0].size, np.nan)
+        if means:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                step_means = np.where(packed[4] > 0, packed[5] / np.maximum(packed[4], 1), np.nan)
         group = (packed[2] - first) // per
-        grouped.append((packed[0], group, means, means, packed[7], packed[8], packed[3], packed[3]))
+        grouped.append((packed[0], group, step_means, step_means, packed[7], packed[8], packed[3], packed[3]))
     parts: list[tuple[np.ndarray, ...]] = []
     if grouped:
         sid, group, low, high, peak, nonfinite, inc_lo, inc_hi = _regroup(grouped)
         floats = [low, high, peak]
-        mixed = inc_lo != inc_hi
+        mixed = inc_lo != inc_hi if means else np.zeros(sid.size, dtype=bool)
         if tail_group is not None:
             mixed |= group >= tail_group
         keep = np.flatnonzero(~mixed)
@@ -297,13 +316,15 @@ def across_ranks(
     return Groups(first, per, *(c[order] for c in joined))
 
 
-def _grouped_rows(conn: Connection, params: dict[str, Any]) -> list[Any]:
+def _grouped_rows(conn: Connection, params: dict[str, Any], means: bool = True) -> list[Any]:
     """The step rollup rows of `params` (ids, first, last, per) as (series, group, lowest mean, highest
     mean, highest value, non-finite count, lowest and highest incarnation), one row a group that holds any,
-    in no order: by one GROUP BY, or by a seek a group where the groups hold enough rows (`_by_seeks`)."""
+    in no order: by one GROUP BY, or by a seek a group where the groups hold enough rows (`_by_seeks`).
+    Without `means` the means are NaN."""
+    by_group, by_seeks = _QUERIES[means]
     if not _by_seeks(conn, params):
-        return list(conn.execute(_GROUPS_QUERY, params).all())
-    query, read = _SEEK_QUERY[conn.dialect.name]
+        return list(conn.execute(by_group, params).all())
+    query, read = by_seeks[conn.dialect.name]
     return read(conn.execute(query, params).all())
 
 
@@ -319,7 +340,7 @@ def _by_seeks(conn: Connection, params: dict[str, Any]) -> bool:
 
 
 def _parse_text(row: Any) -> tuple[Any, ...]:
-    """A row of SQLite's `_SEEK_QUERY` (series, group, "bad inc_lo inc_hi low high peak") as the other
+    """A row of SQLite's query by seeks (series, group, "bad inc_lo inc_hi low high peak") as the other
     queries give it."""
     sid, g, text = row
     bad, inc_lo, inc_hi, low, high, peak = text.split(" ")
