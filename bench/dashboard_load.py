@@ -87,6 +87,7 @@ METRICS = (
     "mem.allocated_mb",
 )
 MAX_POINTS = 1600  # as web/src/run.js asks
+AMAX_TOP = 8  # the modules the amax panel draws (web/src/amax.js)
 # The allocated memory as a real run's is (the Megatron log in ../shared/real-logs: flat within 4.1 MB
 # over 47,680 steps, in multiples of 512 bytes, ~0.75 MB between two readings), not 2% noise (~600 MB).
 ALLOCATOR_BYTES = 512
@@ -104,7 +105,7 @@ def page_calls(run: str) -> tuple[list[str], list[str]]:
         f"{base}/anomalies",
         f"{base}/heatmap?metric=time.late_ms&mode=median&buckets={BUCKETS}",  # the page's default view
         f"{base}/heatmap?metric=mem.allocated_mb&mode=absolute&buckets={BUCKETS}",
-        f"{base}/amax?max_points={MAX_POINTS}",
+        f"{base}/amax?max_points={MAX_POINTS}&top={AMAX_TOP}",
         f"{base}/events?kind=phase_start&limit=10000",
     ]
     return first, second

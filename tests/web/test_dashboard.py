@@ -20,6 +20,7 @@ import pytest
 
 from stepwatch_server.demo import Client, Feeder
 from stepwatch_server.simulate import LossSpike, Scenario, Simulation, Straggler
+from stepwatch_server.simulate.scenario import DEFAULT_MODULES
 from stepwatch_server.web.pages import INDEX
 from tests.e2e.conftest import Collector, free_port
 from tests.web.browser import CHROMIUM, SCREENSHOTS, WEB, require_browser
@@ -42,6 +43,8 @@ SCENARIO = Scenario(
     flush_interval_s=20.0,  # fewer, larger batches: the run is fed in a few seconds
     eval_every=EVAL_EVERY,  # evaluations in `watch.phase("eval")`: marked on the charts
     eval_s=5.0,
+    modules=DEFAULT_MODULES
+    + tuple(f"layers.{i}.mlp.fc2" for i in range(8, 14)),  # 12: more than the panel draws
 )
 HEALTHY = Scenario("healthy", 8, 300, seed=3, flush_interval_s=20.0)
 
@@ -160,6 +163,13 @@ def test_run_page_draws_every_chart(report: dict[str, Any]) -> None:
     assert len(heatmaps) == 2 and all(c["painted"] > 0 for c in heatmaps), report["canvases"]
     amax = [c for c in report["canvases"] if "amax" in c["name"].lower()]
     assert amax and all(c["painted"] > 0 for c in amax), report["canvases"]
+
+
+def test_the_amax_panel_draws_the_eight_modules_with_the_highest_amax_of_twelve(
+    report: dict[str, Any],
+) -> None:
+    assert report["amax"]["note"] == "the 8 of 12 modules with the highest amax in this range (a NaN first)"
+    assert len(report["amax"]["rows"]) == 8 and set(report["amax"]["rows"]) <= set(SCENARIO.modules)
 
 
 def test_every_rank_of_a_16_rank_heatmap_is_labelled_and_the_memory_scale_is_not_stretched(

@@ -105,6 +105,36 @@ def test_amax_latest_says_nan_when_the_last_sample_was_nan(collector: Collector)
     assert modules["fc"]["latest"] == "NaN" and modules["ok"]["latest"] == 1.0
 
 
+def test_amax_top_gives_the_modules_nearest_the_fp8_limit_in_the_range(collector: Collector) -> None:
+    """A 70-layer model tracks ~500 modules: `top=K` gives the K with the highest amax (max over ranks and
+    the range's steps), a module with a non-finite one first, so that the panel draws those, not 500
+    lines. A spike early in the run ranks its module for a range holding it and not for one after it."""
+    steps = list(range(1, 61))
+    level = {f"blocks.{i:02d}": 10.0 + i for i in range(12)}  # blocks.11 the highest, then .10, .09
+    for rank in range(2):
+        stats: dict[str, list[Any]] = {name: [v + rank for _ in steps] for name, v in level.items()}
+        stats["blocks.03"] = [400.0 if (s == 10 and rank == 1) else 13.0 + rank for s in steps]  # one spike
+        if rank == 1:
+            stats["blocks.00"] = ["NaN" if s == 30 else 10.0 + rank for s in steps]  # as the agent sends it
+        doc = batch("many-modules", session(), 0, rank, 2, steps, loss=[2.0] * 60)
+        doc["tensors"] = {"steps": steps, "stats": {"amax": stats}}
+        assert collector.post(doc).status_code == 200, rank
+    collector.wait_rolled_up()
+    every = collector.get("/api/v1/runs/many-modules/amax")
+    assert every["tracked"] == 12 and len(every["modules"]) == 12  # no `top`: every module, as before
+    top = collector.get("/api/v1/runs/many-modules/amax", top=3)
+    assert top["tracked"] == 12
+    assert [m["name"] for m in top["modules"]] == ["blocks.00", "blocks.03", "blocks.11"]
+    by_name = {m["name"]: m for m in every["modules"]}
+    for m in top["modules"]:  # the same curves as without `top`
+        assert m == by_name[m["name"]], m["name"]
+    after = collector.get("/api/v1/runs/many-modules/amax", top=3, from_step=31)  # after the spike and NaN
+    assert [m["name"] for m in after["modules"]] == ["blocks.11", "blocks.10", "blocks.09"]
+    assert collector.get("/api/v1/runs/many-modules/amax", top=50)["modules"] == every["modules"]
+    refused = collector.http.get("/api/v1/runs/many-modules/amax", params={"top": 0})
+    assert refused.status_code == 422 and "top" in refused.text
+
+
 def _synchronous_run(
     collector: Collector, name: str, ranks: int, steps: int, slow_rank: int, from_step: int
 ) -> None:

@@ -5,12 +5,16 @@ import { uPlot } from "./charts.js";
 import { badge, el, fmtNum } from "./format.js";
 
 const MODULE_COLOURS = ["#6ea8fe", "#f472b6", "#5eead4", "#fbbf24", "#c084fc", "#a3e635", "#fb923c", "#38bdf8"];
+// Modules drawn (a colour each): the ones with the highest amax in the range, from `top` of /amax. A large model
+// tracks hundreds (every Linear): that many lines say nothing, and their curves cost the page seconds to read.
+export const AMAX_TOP = MODULE_COLOURS.length;
 const TIGHT_HEADROOM = 4; // under 2 bits of headroom is a warning
 
 export class AmaxPanel {
-  constructor(box, table, group) {
+  constructor(box, table, note, group) {
     this.box = box;
     this.table = table;
+    this.note = note;
     this.group = group;
     this.chart = null;
     this.names = [];
@@ -22,13 +26,21 @@ export class AmaxPanel {
       return;
     }
     const limit = d.e4m3_max;
+    const names = d.modules.map((m) => m.name);
+    this.note.textContent = d.tracked > names.length
+      ? `the ${names.length} of ${d.tracked} modules with the highest amax in this range (a NaN first)` : "";
+    this.note.hidden = !this.note.textContent;
+    if (this.chart && names.join("\n") !== this.names.join("\n")) { // another range, other modules on top
+      this.group.remove(this.chart);
+      this.chart = null;
+    }
     if (!this.chart) {
       this.box.replaceChildren();
       const series = d.modules.map((m, i) => ({ label: m.name, stroke: MODULE_COLOURS[i % MODULE_COLOURS.length] }));
       // Keep the limit in view however small the values are: the distance to it is the point.
       const yRange = (u, min, max) => uPlot.rangeLog(Math.max(1e-3, min ?? 1), Math.max(max ?? 1, limit * 1.5), 10, true);
       this.chart = this.group.add(this.box, { title: "", series, log: true, height: 220, yRange, extraDraw: (u) => drawLimit(u, limit) });
-      this.names = d.modules.map((m) => m.name);
+      this.names = names;
     }
     const tables = this.names.map((name) => {
       const m = d.modules.find((x) => x.name === name) ?? { steps: [], values: [] };

@@ -116,6 +116,12 @@ export class ChartGroup {
     for (const c of this.charts) c.setSize({ width: Math.max(320, width), height: c.height });
   }
 
+  /** Take `chart` (one `add` made) off the page and out of the group. */
+  remove(chart) {
+    this.charts = this.charts.filter((c) => c !== chart);
+    chart.destroy();
+  }
+
   destroy() {
     for (const c of this.charts) c.destroy();
     this.charts = [];

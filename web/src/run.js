@@ -2,7 +2,7 @@
 // heatmaps (forward/data time relative to the cross-rank median, memory); amax per module against the
 // FP8 limit; the anomaly list with evidence, each entry zooming everything to its step. Live: new steps
 // and anomalies arrive through the event stream.
-import { AmaxPanel } from "./amax.js";
+import { AMAX_TOP, AmaxPanel } from "./amax.js";
 import { anomalyItem } from "./anomalies.js";
 import { finiteOrNull, getJson, runPath } from "./api.js";
 import { ChartGroup, mergeDetail } from "./charts.js";
@@ -78,11 +78,12 @@ export function renderRun(main, run) {
       memNote),
     memBox);
   const amaxBox = el("div", {});
+  const amaxNote = el("p", { class: "muted amax-note", hidden: true });
   const amaxTable = el("table", { class: "amax", "aria-label": "Amax headroom per module" });
   const amaxPanel = el("section", { class: "panel", "aria-labelledby": "amax-h" },
     el("div", { class: "panel-head" }, el("h2", { id: "amax-h" }, "Activation amax per module"),
       el("span", { class: "muted" }, "max over ranks, log scale; the dashed line is FP8 E4M3's largest value, 448")),
-    amaxBox, amaxTable);
+    amaxNote, amaxBox, amaxTable);
   const anomalyList = el("ol", { class: "anomaly-list", "aria-label": "Anomalies" });
   const anomalyCount = el("span", { class: "muted" });
   const aside = el("aside", { class: "panel anomalies", id: "anomalies", "aria-labelledby": "anom-h" },
@@ -96,7 +97,7 @@ export function renderRun(main, run) {
 
   const heat = new Heatmap(heatBox, { label: "Ranks by steps heatmap, relative to the rank's peers", mode: "late" });
   const mem = new Heatmap(memBox, { label: "Memory per rank heatmap", mode: "absolute", unit: "MB" });
-  const amax = new AmaxPanel(amaxBox, amaxTable, group);
+  const amax = new AmaxPanel(amaxBox, amaxTable, amaxNote, group);
 
   const fail = (e) => {
     if (!state.alive) return;
@@ -210,7 +211,7 @@ export function renderRun(main, run) {
   }
 
   async function loadAmax() {
-    await forRange("amax", getJson(`${path}/amax`, { max_points: MAX_POINTS, ...rangeParams() }), (d) => amax.show(d));
+    await forRange("amax", getJson(`${path}/amax`, { max_points: MAX_POINTS, top: AMAX_TOP, ...rangeParams() }), (d) => amax.show(d));
   }
 
   function refreshSlow() {

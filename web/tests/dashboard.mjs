@@ -88,6 +88,10 @@ try {
     }
     return out;
   });
+  report.amax = await page.evaluate(() => ({
+    note: document.querySelector(".amax-note")?.hidden ? "" : document.querySelector(".amax-note")?.textContent ?? "",
+    rows: [...document.querySelectorAll("table.amax tbody tr")].map((tr) => tr.dataset.module),
+  }));
   report.evidenceLabels = await page.$$eval(".evidence th", (ths) => ths.map((th) => [th.title, th.textContent]));
   report.anomalies = await page.$$eval("li.anomaly", (items) => items.map((li) => ({
     kind: li.dataset.kind, rank: li.dataset.rank === "" ? null : Number(li.dataset.rank),

@@ -48,4 +48,5 @@ class ModuleAmax(BaseModel):
 class AmaxAnswer(BaseModel):
     e4m3_max: float
     e5m2_max: float
+    tracked: int  # the run's modules with an amax series; `modules` holds `top` of them when asked
     modules: list[ModuleAmax]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
+import numpy as np
 from fastapi import APIRouter, Query
 from sqlalchemy import Connection
 from starlette.responses import Response
@@ -36,6 +37,7 @@ from stepwatch_server.runs.downsample import DEFAULT_MAX_POINTS, downsample
 from stepwatch_server.storage.models import METRIC_STAT
 
 router = APIRouter(prefix="/api/v1", tags=["dashboard"])
+MAX_TOP = 1_000  # modules a `top` may ask for
 
 
 @router.get(
@@ -122,10 +124,22 @@ def get_amax(
     from_step: FromStep = None,
     to_step: ToStep = None,
     max_points: MaxPoints = DEFAULT_MAX_POINTS,
+    top: Annotated[
+        int | None,
+        Query(
+            ge=1,
+            le=MAX_TOP,
+            description="only the `top` modules with the highest amax in the range (max over ranks and steps; "
+            "a module with a non-finite one first), in that order; absent: every module",
+        ),
+    ] = None,
 ) -> Response:
     found = queries.find_run(conn, run)
     ids = queries.series_ids(conn, found.id, "amax", None)
-    groups = step_rollups.across_ranks(conn, list(ids), from_step, to_step, max_points)
+    tracked = len(ids)
+    if top is not None and top < tracked:
+        ids = _highest(conn, ids, from_step, to_step, top)
+    groups = step_rollups.across_ranks(conn, list(ids), from_step, to_step, max_points, means=False)
     tail = step_rollups.read_steps(conn, list(ids), groups.last_group_start(), to_step)  # the latest steps
     modules = []
     for sid, name in ids.items():  # per step (or group of steps): the maximum over ranks
@@ -134,4 +148,22 @@ def get_amax(
         latest = float_list(latest_peak[-1:])[0] if latest_peak.size else None  # NaN as "NaN", not null
         steps, values = downsample(steps, values, max_points)
         modules.append({"name": name, "steps": steps, "values": float_list(values), "latest": latest})
-    return json_response({"e4m3_max": E4M3_MAX, "e5m2_max": E5M2_MAX, "modules": modules})
+    return json_response({"e4m3_max": E4M3_MAX, "e5m2_max": E5M2_MAX, "tracked": tracked, "modules": modules})
+
+
+def _highest(
+    conn: Connection, ids: dict[int, str], from_step: int | None, to_step: int | None, top: int
+) -> dict[int, str]:
+    """The `top` of `ids` (series id -> module) with the highest amax in the range, highest first: a module
+    with a non-finite amax before all, then by the highest over ranks and steps, ties by name. The peaks
+    come from the curves' own grouping (`across_ranks`: the rows, the packs and the steps above the rollup
+    watermark alike) in one group a module, so a spike of one step on one rank counts."""
+    whole = step_rollups.across_ranks(conn, list(ids), from_step, to_step, 2, means=False)
+
+    def rank(sid: int) -> tuple[int, float, str]:
+        peaks = whole.of(sid).peak_curve()[1]
+        if not peaks.size:
+            return 2, 0.0, ids[sid]  # nothing in the range
+        return (0, 0.0, ids[sid]) if np.isnan(peaks).any() else (1, -float(peaks.max()), ids[sid])
+
+    return {sid: ids[sid] for sid in sorted(ids, key=rank)[:top]}
