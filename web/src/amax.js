@@ -30,7 +30,8 @@ export class AmaxPanel {
     this.note.textContent = d.tracked > names.length
       ? `the ${names.length} of ${d.tracked} modules with the highest amax in this range (a NaN first)` : "";
     this.note.hidden = !this.note.textContent;
-    if (this.chart && names.join("\n") !== this.names.join("\n")) { // another range, other modules on top
+    const same = names.length === this.names.length && names.every((n) => this.names.includes(n));
+    if (this.chart && !same) { // another range, or a live run, put other modules on top: a line (and a colour) each
       this.group.remove(this.chart);
       this.chart = null;
     }
