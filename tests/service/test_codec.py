@@ -156,6 +156,24 @@ def test_series_ids_at_the_ends_of_int64_come_back() -> None:
         assert decode_flat([encode(block)]).series.tolist() == [i for i in ids for _ in range(3)]
 
 
+def test_steps_a_fixed_gap_apart_come_back() -> None:
+    """Steps a fixed gap apart, each gap written in one byte, are read without decoding each varint (a
+    metric sampled every k-th step, as the amax is): every gap that takes one byte and two, a gap that
+    changes at the last step, and first steps up to 2**62 (larger ones are read step by step)."""
+    for first in (0, 7, 2**62 - 1, 2**62, 2**63 - 1000):
+        for gap in (1, 2, 10, 128, 129, 1000):
+            for n in (1, 2, 26):
+                steps = first + gap * np.arange(n, dtype=np.int64)
+                if steps[-1] < first:  # past int64
+                    continue
+                varied = steps.copy()
+                varied[-1] += 1 if n > 1 else 0
+                for s in (steps, varied):
+                    block = Block(s, np.array([3, 4]), np.ones((2, n)), np.ones((2, n), bool))
+                    _assert_same(block, decode(encode(block)))
+                    assert decode_flat([encode(block)] * 2).step.tolist() == s.tolist() * 4
+
+
 def test_the_special_values_in_rows_of_each_width_come_back() -> None:
     special = np.array(SPECIAL * 3, dtype=np.float64)
     narrow = special[np.isfinite(special) & (np.abs(special) < 3e38)].astype(np.float32).astype(np.float64)

@@ -480,8 +480,11 @@ def _parse(data: bytes) -> _Parsed:
     steps = np.zeros(0, dtype=np.int64)
     if n:
         (first,), at = _varint_list(raw, pos, 1)
-        if first < 2**62 and raw[at : at + n - 1] == bytes(n - 1):  # consecutive steps (the common case)
-            steps, pos = np.arange(first, first + n, dtype=np.int64), at + n - 1
+        gap = raw[at] if n > 1 and at < len(raw) else 0  # each gap was written minus one
+        if gap < 0x80 and first < 2**62 and raw[at : at + n - 1] == bytes((gap,)) * (n - 1):
+            # steps a fixed gap apart, written in one byte each: consecutive steps (the common case), or a
+            # metric sampled every k-th step (the amax: its step rollup packs hold ~26 steps each)
+            steps, pos = np.arange(first, first + n * (gap + 1), gap + 1, dtype=np.int64), at + n - 1
         else:
             gaps, pos = _read_varints(buf, pos, n)
             step_gaps = gaps.view(np.int64) + 1  # each gap was written minus one, the first step as it is
