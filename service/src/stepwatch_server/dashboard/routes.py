@@ -130,7 +130,8 @@ def get_amax(
             ge=1,
             le=MAX_TOP,
             description="only the `top` modules with the highest amax in the range (max over ranks and steps; "
-            "a module with a non-finite one first), in that order; absent: every module",
+            "a module with a non-finite one first), in that order where the run has more than `top` "
+            "(else every module, by name); absent: every module",
         ),
     ] = None,
 ) -> Response:

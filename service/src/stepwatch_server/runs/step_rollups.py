@@ -104,7 +104,6 @@ class Groups:
 
 
 _MEAN = "CASE WHEN n > 0 THEN total / n END"
-_MEANS = f"min({_MEAN}), max({_MEAN})"
 _PEAKS = "max(hi), sum(nonfinite), min(incarnation), max(incarnation)"
 # Where a range's groups hold enough rows, each group is aggregated over its own range of the primary key,
 # one seek a group, instead of by the GROUP BY, which sorts every row of the range by its group first
@@ -131,7 +130,8 @@ def _group_queries(means: bool) -> tuple[Any, dict[str, tuple[Any, _ReadRows]]]:
     """The GROUP BY, and per dialect the query by seeks with how its rows are read, giving (series, group,
     lowest mean, highest mean, highest value, non-finite count, lowest and highest incarnation); without
     `means` the two means are NULL and not computed (the amax reads the peaks alone: half the work a row)."""
-    figures = f"{_MEANS if means else 'NULL, NULL'}, {_PEAKS}"
+    low, high = (f"min({_MEAN})", f"max({_MEAN})") if means else ("NULL", "NULL")
+    figures = f"{low}, {high}, {_PEAKS}"
     by_group = expanding(
         f"SELECT series_id, (step - :first) / :per AS g, {figures} FROM step_rollups "
         "WHERE series_id IN :ids AND step >= :first AND step <= :last GROUP BY series_id, g",
@@ -149,12 +149,8 @@ def _group_queries(means: bool) -> tuple[Any, dict[str, tuple[Any, _ReadRows]]]:
     # text (`_parse_text`): floats as printf's %!.20e, which reads back bit for bit (checked on 300k random
     # doubles; %.17g is off by an ulp above ~1e190 in SQLite 3.40), NaN for none (NULL); NULL for a group
     # without rows, left out in Python (a filter on it in SQL would run the subquery twice).
-    floats = [*((f"min({_MEAN})", f"max({_MEAN})") if means else ()), "max(hi)"]
     text = " || ' ' || ".join(
-        [
-            *(() if means else ("'nan nan'",)),
-            *(f"CASE WHEN {e} IS NULL THEN 'nan' ELSE printf('%!.20e', {e}) END" for e in floats),
-        ]
+        f"CASE WHEN {e} IS NULL THEN 'nan' ELSE printf('%!.20e', {e}) END" for e in (low, high, "max(hi)")
     )
     scalar = expanding(
         f"WITH RECURSIVE gs (g) AS (SELECT 0 UNION ALL SELECT g + 1 FROM gs WHERE g < {_GROUPS}) "
