@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -310,6 +311,10 @@ def test_while_detection_is_full_ingest_answers_429_and_stores_nothing_then_take
     worker = collector.server.app.state.detection
     run, session = f"behind-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
     assert collector.post(steps_batch(run, session, 0, [1], loss=[1.0])).status_code == 200
+    deadline = time.monotonic() + 10.0  # the first batch off the queue, or its slot frees one taken below
+    while not worker.idle() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert worker.idle(), "the detection worker did not take the first batch within 10 s"
     held = 0
     while worker.reserve():  # what a backlog of 20,000 batches would hold
         held += 1
