@@ -157,6 +157,60 @@ def test_rollups_equal_the_raw_aggregation_across_a_restart(
         )  # 576..629: inc 1
 
 
+@pytest.mark.parametrize("hand_over_below", [STEPS, 500], ids=["rolled-up", "rolled-up-to-499"])
+def test_a_span_read_from_the_rollup_levels_equals_the_raw_figures_of_its_steps(
+    engine: Engine, worker: RollupWorker, hand_over_below: int
+) -> None:
+    """`read_span` (the amax ranking's read: a range's figures per rank from the fewest whole buckets of any
+    level, the raw steps at its ends and above the watermark) equals the raw figures of exactly those steps,
+    the latest incarnation of each: ranges aligned and not to buckets, one step, the spike, the NaN, the
+    restart (its buckets of two incarnations), the whole run."""
+    ids = _write(engine, worker, hand_over_below=hand_over_below)
+    rng = np.random.default_rng(7)
+    ranges = [(0, STEPS - 1), (64, 1023), (333, 333), (1, 1022), (128, 895), (600, 700), (0, 63), (64, 127)]
+    ranges += [tuple(sorted(rng.integers(0, STEPS, 2).tolist())) for _ in range(12)]
+    with engine.connect() as conn:
+        raw = {
+            (s.series_id, s.rank): (s.steps, s.values)
+            for s in queries.read_points(conn, list(ids.values()), None, None, None)
+        }
+        for first, last in ranges:
+            got = _rolled_by_series(rank_rollups.read_span(conn, list(ids.values()), first, last))
+            expected = {}
+            for key, (steps, values) in raw.items():
+                inside = values[(steps >= first) & (steps <= last)]
+                finite = inside[np.isfinite(inside)]
+                if inside.size:
+                    expected[key] = (
+                        finite.size,
+                        finite.sum(),
+                        finite.min(initial=np.inf),
+                        finite.max(initial=-np.inf),
+                    )
+                    expected[key] += (inside.size - finite.size,)
+            assert got.keys() == expected.keys(), (first, last)
+            for key, (n, total, lo, hi, bad) in expected.items():
+                assert got[key][0] == n and got[key][4] == bad, (first, last, key)
+                assert got[key][1] == pytest.approx(total), (first, last, key)
+                if n:
+                    assert got[key][2:4] == (lo, hi), (first, last, key)
+
+
+def _rolled_by_series(got: rollups.Buckets) -> dict[tuple[int, int], tuple[float, ...]]:
+    """(series, rank) -> (n, total, lo, hi, nonfinite) of a read with one bucket a series and rank."""
+    keys = list(zip(got.series_id.tolist(), got.rank.tolist(), strict=True))
+    assert len(set(keys)) == len(keys)
+    figures = zip(
+        got.n.tolist(),
+        got.total.tolist(),
+        got.lo.tolist(),
+        got.hi.tolist(),
+        got.nonfinite.tolist(),
+        strict=True,
+    )
+    return dict(zip(keys, figures, strict=True))
+
+
 def _raw_means(conn: Connection, sid: int) -> dict[int, float]:
     """Per step, the mean over ranks of the raw series (latest incarnation); NaN if a rank has NaN."""
     per_step: dict[int, list[float]] = {}

@@ -108,15 +108,16 @@ def test_amax_latest_says_nan_when_the_last_sample_was_nan(collector: Collector)
 def test_amax_top_gives_the_modules_nearest_the_fp8_limit_in_the_range(collector: Collector) -> None:
     """A 70-layer model tracks ~500 modules: `top=K` gives the K with the highest amax (max over ranks and
     the range's steps), a module with a non-finite one first, so that the panel draws those, not 500
-    lines. A spike early in the run ranks its module for a range holding it and not for one after it."""
-    steps = list(range(1, 61))
+    lines. A spike in the run ranks its module for a range holding it and not for one before or after it; the
+    run is long enough (600 steps) that the ranking reads whole buckets of the rank rollup levels."""
+    steps = list(range(1, 601))
     level = {f"blocks.{i:02d}": 10.0 + i for i in range(12)}  # blocks.11 the highest, then .10, .09
     for rank in range(2):
         stats: dict[str, list[Any]] = {name: [v + rank for _ in steps] for name, v in level.items()}
-        stats["blocks.03"] = [400.0 if (s == 10 and rank == 1) else 13.0 + rank for s in steps]  # one spike
+        stats["blocks.03"] = [400.0 if (s == 300 and rank == 1) else 13.0 + rank for s in steps]  # one spike
         if rank == 1:
-            stats["blocks.00"] = ["NaN" if s == 30 else 10.0 + rank for s in steps]  # as the agent sends it
-        doc = batch("many-modules", session(), 0, rank, 2, steps, loss=[2.0] * 60)
+            stats["blocks.00"] = ["NaN" if s == 450 else 10.0 + rank for s in steps]  # as the agent sends it
+        doc = batch("many-modules", session(), 0, rank, 2, steps, loss=[2.0] * 600)
         doc["tensors"] = {"steps": steps, "stats": {"amax": stats}}
         assert collector.post(doc).status_code == 200, rank
     collector.wait_rolled_up()
@@ -128,8 +129,15 @@ def test_amax_top_gives_the_modules_nearest_the_fp8_limit_in_the_range(collector
     by_name = {m["name"]: m for m in every["modules"]}
     for m in top["modules"]:  # the same curves as without `top`
         assert m == by_name[m["name"]], m["name"]
-    after = collector.get("/api/v1/runs/many-modules/amax", top=3, from_step=31)  # after the spike and NaN
-    assert [m["name"] for m in after["modules"]] == ["blocks.11", "blocks.10", "blocks.09"]
+    highest = ["blocks.11", "blocks.10", "blocks.09"]
+    after = collector.get("/api/v1/runs/many-modules/amax", top=3, from_step=451)  # after the spike and NaN
+    assert [m["name"] for m in after["modules"]] == highest
+    before = collector.get("/api/v1/runs/many-modules/amax", top=3, to_step=299)
+    assert [m["name"] for m in before["modules"]] == highest
+    spike = collector.get("/api/v1/runs/many-modules/amax", top=2, from_step=300, to_step=300)
+    assert [m["name"] for m in spike["modules"]] == ["blocks.03", "blocks.11"]
+    nan = collector.get("/api/v1/runs/many-modules/amax", top=1, from_step=129, to_step=511)  # whole buckets
+    assert [m["name"] for m in nan["modules"]] == ["blocks.00"]
     assert collector.get("/api/v1/runs/many-modules/amax", top=50)["modules"] == every["modules"]
     refused = collector.http.get("/api/v1/runs/many-modules/amax", params={"top": 0})
     assert refused.status_code == 422 and "top" in refused.text

@@ -156,15 +156,25 @@ def _highest(
     conn: Connection, ids: dict[int, str], from_step: int | None, to_step: int | None, top: int
 ) -> dict[int, str]:
     """The `top` of `ids` (series id -> module) with the highest amax in the range, highest first: a module
-    with a non-finite amax before all, then by the highest over ranks and steps, ties by name. The peaks
-    come from the curves' own grouping (`across_ranks`: the rows, the packs and the steps above the rollup
-    watermark alike) in one group a module, so a spike of one step on one rank counts."""
-    whole = step_rollups.across_ranks(conn, list(ids), from_step, to_step, 2, means=False)
-
-    def rank(sid: int) -> tuple[int, float, str]:
-        peaks = whole.of(sid).peak_curve()[1]
-        if not peaks.size:
-            return 2, 0.0, ids[sid]  # nothing in the range
-        return (0, 0.0, ids[sid]) if np.isnan(peaks).any() else (1, -float(peaks.max()), ids[sid])
-
-    return {sid: ids[sid] for sid in sorted(ids, key=rank)[:top]}
+    with a non-finite amax before all, then by the highest over ranks and steps, ties by name, then the
+    modules with nothing in the range. Each module's figures over exactly the range come from the fewest
+    whole buckets of the rank rollup levels and the raw steps at its ends (`rank_rollups.read_span`), so a
+    spike of one step on one rank counts and a long range reads a few packs a module, not its every step
+    (a model tracking 500 Linear modules: bench/README.md)."""
+    found = step_rollups.step_range(conn, list(ids), from_step, to_step, count_up_to=0)
+    if found is None:
+        return {sid: ids[sid] for sid in sorted(ids, key=ids.__getitem__)[:top]}
+    cells = rank_rollups.read_span(conn, list(ids), found[0], found[1])
+    sids = np.fromiter(ids, dtype=np.int64, count=len(ids))
+    order = np.argsort(sids)
+    of = order[np.searchsorted(sids[order], cells.series_id)]  # each cell's module (cells hold only `ids`)
+    highest = np.full(sids.size, -np.inf)
+    np.fmax.at(highest, of, cells.hi)  # NaN where a rank had no finite value: left out
+    nonfinite = np.bincount(of, weights=cells.nonfinite, minlength=sids.size)
+    held = np.bincount(of, weights=cells.n + cells.nonfinite, minlength=sids.size) > 0
+    group = np.where(nonfinite > 0, 0, np.where(held, 1, 2))
+    key = {
+        int(s): (int(g), 0.0 if g != 1 else -float(h), ids[int(s)])
+        for s, g, h in zip(sids, group, highest, strict=True)
+    }
+    return {sid: ids[sid] for sid in sorted(ids, key=key.__getitem__)[:top]}
