@@ -122,39 +122,15 @@ def _raw_buckets(
     return {k: tuple(v) for k, v in out.items()}
 
 
-def _rolled(got: rollups.Buckets) -> dict[tuple[int, int], tuple[float, ...]]:
-    return {
-        (r, b): (n, t, lo, hi, bad)
-        for r, b, n, t, lo, hi, bad in zip(
-            got.rank.tolist(),
-            got.bucket.tolist(),
-            got.n.tolist(),
-            got.total.tolist(),
-            got.lo.tolist(),
-            got.hi.tolist(),
-            got.nonfinite.tolist(),
-            strict=True,
-        )
-    }
-
-
-@pytest.mark.parametrize("all_ranks", [False, True], ids=["per-rank-bucket", "per-step"])
-def test_rollups_equal_the_raw_aggregation_across_a_restart(
-    engine: Engine, worker: RollupWorker, all_ranks: bool
-) -> None:
-    ids = _write(engine, worker)
-    with engine.connect() as conn:
-        assert rollups.rolled_to(conn, list(ids.values())) == STEPS - 1  # read from the rollup tables
-        _assert_rollups_equal_raw(conn, ids, all_ranks)
-        if not all_ranks:  # every level (buckets of 128 .. 1024 steps here), the restart's mixed ones too
-            for level in range(1, 5):
-                _assert_rollups_equal_raw(conn, ids, False, level)
-        # the restart: rank 1's steps 630..1023 are incarnation 2's (102.0), not incarnation 1's (~2)
-        rank1 = _rolled(rank_rollups.read(conn, [ids["loss"]], 576, 1023))
-        assert rank1[(1, 10)][2:4] == (102.0, 102.0) and rank1[(1, 10)][0] == 64
-        assert (
-            rank1[(1, 9)][0] == 64 and rank1[(1, 9)][2] < 3.0 and rank1[(1, 9)][3] == 102.0
-        )  # 576..629: inc 1
+def _rolled(got: rollups.Buckets, by: str = "bucket") -> dict[tuple[int, int], tuple[float, ...]]:
+    """(rank, bucket) -> (n, total, lo, hi, nonfinite); `by="series"`: keyed (series, rank), of a read with
+    one bucket a series and rank."""
+    keys = list(zip(got.rank.tolist(), got.bucket.tolist(), strict=True))
+    if by == "series":
+        keys = list(zip(got.series_id.tolist(), got.rank.tolist(), strict=True))
+        assert len(set(keys)) == len(keys)
+    figures = (got.n, got.total, got.lo, got.hi, got.nonfinite)
+    return dict(zip(keys, zip(*(f.tolist() for f in figures), strict=True), strict=True))
 
 
 @pytest.mark.parametrize("hand_over_below", [STEPS, 500], ids=["rolled-up", "rolled-up-to-499"])
@@ -175,7 +151,7 @@ def test_a_span_read_from_the_rollup_levels_equals_the_raw_figures_of_its_steps(
             for s in queries.read_points(conn, list(ids.values()), None, None, None)
         }
         for first, last in ranges:
-            got = _rolled_by_series(rank_rollups.read_span(conn, list(ids.values()), first, last))
+            got = _rolled(rank_rollups.read_span(conn, list(ids.values()), first, last), by="series")
             expected = {}
             for key, (steps, values) in raw.items():
                 inside = values[(steps >= first) & (steps <= last)]
@@ -194,21 +170,6 @@ def test_a_span_read_from_the_rollup_levels_equals_the_raw_figures_of_its_steps(
                 assert got[key][1] == pytest.approx(total), (first, last, key)
                 if n:
                     assert got[key][2:4] == (lo, hi), (first, last, key)
-
-
-def _rolled_by_series(got: rollups.Buckets) -> dict[tuple[int, int], tuple[float, ...]]:
-    """(series, rank) -> (n, total, lo, hi, nonfinite) of a read with one bucket a series and rank."""
-    keys = list(zip(got.series_id.tolist(), got.rank.tolist(), strict=True))
-    assert len(set(keys)) == len(keys)
-    figures = zip(
-        got.n.tolist(),
-        got.total.tolist(),
-        got.lo.tolist(),
-        got.hi.tolist(),
-        got.nonfinite.tolist(),
-        strict=True,
-    )
-    return dict(zip(keys, figures, strict=True))
 
 
 def _raw_means(conn: Connection, sid: int) -> dict[int, float]:
