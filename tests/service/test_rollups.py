@@ -24,7 +24,7 @@ from stepwatch_server.runs import queries, rank_packs, rank_rollups, rollups, st
 from stepwatch_server.runs.rollup_worker import RollupWorker
 from stepwatch_server.storage import make_engine, upgrade
 from stepwatch_server.storage.engine import write_transaction
-from stepwatch_server.storage.models import Point, Run, Series, StepRollup
+from stepwatch_server.storage.models import Point, RankRollupPack, Run, Series, StepRollup
 from tests.service.conftest import Collector, steps_batch
 
 RANKS = 3
@@ -492,6 +492,17 @@ def test_rollups_equal_the_raw_aggregation_whatever_order_batches_arrive_in(engi
     with engine.connect() as conn:
         assert rollups.rolled_to(conn, [sid]) == 599
     assert checked >= 5, checked
+    # Each round took the level below from what it had just written (and read only the buckets outside it):
+    # the packs are those that reading every level back from the table gives, byte for byte.
+    p = RankRollupPack
+    packs = select(p.series_id, p.level, p.bucket, p.incarnation, p.part, p.ranks, p.data)
+    packs = packs.order_by(p.series_id, p.level, p.bucket, p.incarnation, p.part)
+    with engine.connect() as conn:
+        written = [(*row[:-1], bytes(row[-1])) for row in conn.execute(packs).all()]
+    with write_transaction(engine) as conn:
+        rollups._roll_levels(conn, [sid], 0, 599, 599)  # every level 1.. from the table's level below
+        again = [(*row[:-1], bytes(row[-1])) for row in conn.execute(packs).all()]
+    assert again == written and len({row[1] for row in written}) >= 3
 
 
 @pytest.mark.parametrize("hand_over_below", [0, 500], ids=["nothing-rolled-up", "rolled-up-to-499"])

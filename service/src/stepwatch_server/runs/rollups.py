@@ -279,37 +279,41 @@ def apply_part(conn: Connection, r: Round, ids: list[int], skip: bool = False) -
     if lo < hi:  # none without a whole bucket
         rank_packs.remove(conn, ids, 0, lo, hi)
     in_blocks = compacted is not None and min(r.from_step, bfirst) <= compacted  # values SQL cannot read
+    level0 = rank_packs.empty()  # level 0's buckets lo..hi-1 as written (none where skipped)
     if not skip and in_blocks:
         first, last = min(r.from_step, bfirst), max(r.last_step, blast)
         cols = read_values(conn, ids, None, first, last, ranks=r.ranks)
-        _insert_from_values(conn, cols, (bfirst, blast), (r.from_step, r.last_step))
+        level0 = _insert_from_values(conn, cols, (bfirst, blast), (r.from_step, r.last_step))
     elif not skip:
         conn.execute(_STEP_INSERT[ranked], params)
         if lo < hi:
-            rank_packs.write(conn, 0, fetch_columns(conn, _LEVEL0[ranked], ROLLUP_INTEGERS, params))
-    _roll_levels(conn, ids, r.first, r.last, r.top)
+            level0 = fetch_columns(conn, _LEVEL0[ranked], ROLLUP_INTEGERS, params)
+            rank_packs.write(conn, 0, level0)
+    _roll_levels(conn, ids, r.first, r.last, r.top, (lo, hi, level0) if lo < hi else None)
 
 
 def _insert_from_values(
     conn: Connection, cols: list[np.ndarray], buckets: tuple[int, int], steps: tuple[int, int]
-) -> None:
+) -> list[np.ndarray]:
     """Level 0 of the rank rollups of the values `cols` in steps `buckets` (first, last) and the step
     rollups of those in steps `steps` (every incarnation: each row keeps its own), as `_LEVEL0` and
-    `_STEP_INSERT` compute them from `points`."""
+    `_STEP_INSERT` compute them from `points`; the level-0 columns written."""
 
     def within(first: int, last: int) -> list[np.ndarray]:
         inside = (cols[2] >= first) & (cols[2] <= last)
         return [c[inside] for c in cols]
 
+    level0 = rank_packs.empty()
     sid, rank, step, inc, value = within(*buckets)
     if sid.size:
         unique, stats = aggregate([sid, rank, step // BUCKET_STEPS, inc], value)
-        rank_packs.write(conn, 0, [*unique, *stats])
+        level0 = [*unique, *stats]
+        rank_packs.write(conn, 0, level0)
     sid, _, step, inc, value = within(*steps)
-    if sid.size == 0:
-        return
-    unique, stats = aggregate([sid, step, inc], value)
-    step_packs.insert_rows(conn, [*unique, *stats])
+    if sid.size:
+        unique, stats = aggregate([sid, step, inc], value)
+        step_packs.insert_rows(conn, [*unique, *stats])
+    return level0
 
 
 def finish(conn: Connection, r: Round) -> None:
@@ -327,19 +331,48 @@ def skip(conn: Connection, r: Round) -> None:
     finish(conn, r)
 
 
-def _roll_levels(conn: Connection, ids: list[int], first: int, last: int, mark: int) -> None:
+_Written = tuple[int, int, list[np.ndarray]]  # buckets lo..hi-1 of a level as written: their columns
+
+
+def _roll_levels(
+    conn: Connection, ids: list[int], first: int, last: int, mark: int, written: _Written | None = None
+) -> None:
     """Levels 1.. of the rank rollups: recompute each level's buckets that hold a step of first..last
     (just rolled up at level 0) and lie wholly up to the watermark `mark`, from the level below,
     finest level first. A bucket reaching above the watermark is left out until the round that
-    passes its end, so every stored bucket is whole and reads take the level below past the cut."""
+    passes its end, so every stored bucket is whole and reads take the level below past the cut.
+    `written`: level 0's buckets lo..hi-1 as this round wrote them, so that only the level below's
+    buckets outside what the round wrote are read back (a round of 30 buckets of 500 series decoded
+    ~30,000 packs it had just encoded: bench/README.md)."""
     for level in range(1, LEVELS):
         width = level_steps(level)
         lo, hi = first // width, min((mark + 1) // width, last // width + 1)
         if lo >= hi:
+            written = None
             continue  # no whole bucket of this level (nor of the coarser ones) changed
-        below = rank_packs.read(conn, ids, level - 1, 2 * lo, 2 * hi - 1)
+        below = _level_below(conn, ids, level - 1, 2 * lo, 2 * hi - 1, written)
         rank_packs.remove(conn, ids, level, lo, hi)
-        rank_packs.write(conn, level, rank_packs.combine(below, 2))
+        made = rank_packs.combine(below, 2)
+        rank_packs.write(conn, level, made)
+        written = (lo, hi, made)
+
+
+def _level_below(
+    conn: Connection, ids: list[int], level: int, first: int, last: int, written: _Written | None
+) -> list[np.ndarray]:
+    """The rows of `level` in buckets first..last that `rank_packs.read` gives (in another order, which
+    `rank_packs.combine` sorts; it adds two buckets a sum, the same bits in either order): those `written`
+    from their columns, the rest read from the table."""
+    if written is None:
+        return rank_packs.read(conn, ids, level, first, last)
+    lo, hi, cols = written
+    inside = (cols[2] >= first) & (cols[2] <= last)
+    parts = [[c[inside].astype(e.dtype) for c, e in zip(cols, rank_packs.empty(), strict=True)]]
+    if first < lo:
+        parts.append(rank_packs.read(conn, ids, level, first, min(last, lo - 1)))
+    if last >= hi:
+        parts.append(rank_packs.read(conn, ids, level, max(first, hi), last))
+    return [np.concatenate(c) for c in zip(*parts, strict=True)]
 
 
 def rolled_to(conn: Connection, ids: list[int]) -> int:
