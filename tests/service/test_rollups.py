@@ -134,13 +134,14 @@ def _rolled(got: rollups.Buckets, by: str = "bucket") -> dict[tuple[int, int], t
 
 
 @pytest.mark.parametrize("hand_over_below", [STEPS, 500], ids=["rolled-up", "rolled-up-to-499"])
-def test_a_span_read_from_the_rollup_levels_equals_the_raw_figures_of_its_steps(
+def test_span_reads_from_the_rollup_levels_equal_the_raw_figures_of_their_steps(
     engine: Engine, worker: RollupWorker, hand_over_below: int
 ) -> None:
-    """`read_span` (the amax ranking's read: a range's figures per rank from the fewest whole buckets of any
-    level, the raw steps at its ends and above the watermark) equals the raw figures of exactly those steps,
-    the latest incarnation of each: ranges aligned and not to buckets, one step, the spike, the NaN, the
-    restart (its buckets of two incarnations), the whole run."""
+    """`read_span` (a range's figures per rank from the fewest whole buckets of any level, the raw steps at its
+    ends and above the watermark) equals the raw figures of exactly those steps, the latest incarnation of
+    each, and `span_peaks` (the amax ranking's read, the same buckets) each series' highest value and
+    non-finite count there: ranges aligned and not to buckets, one step, the spike, the NaN, the restart (its
+    buckets of two incarnations), the whole run."""
     ids = _write(engine, worker, hand_over_below=hand_over_below)
     rng = np.random.default_rng(7)
     ranges = [(0, STEPS - 1), (64, 1023), (333, 333), (1, 1022), (128, 895), (600, 700), (0, 63), (64, 127)]
@@ -170,6 +171,16 @@ def test_a_span_read_from_the_rollup_levels_equals_the_raw_figures_of_its_steps(
                 assert got[key][1] == pytest.approx(total), (first, last, key)
                 if n:
                     assert got[key][2:4] == (lo, hi), (first, last, key)
+            # The ranking's read: each series' highest value and non-finite count over every rank and
+            # incarnation (a restart's re-sent steps count both), exact.
+            series, highest, nonfinite = rank_rollups.span_peaks(conn, list(ids.values()), first, last)
+            sid, *_, value = queries.read_values(conn, list(ids.values()), None, first, last)
+            assert series.tolist() == sorted(set(sid.tolist())), (first, last)
+            for s, peak, bad in zip(series.tolist(), highest.tolist(), nonfinite.tolist(), strict=True):
+                mine = value[sid == s]
+                assert bad == int((~np.isfinite(mine)).sum()), (first, last, s)
+                finite = mine[np.isfinite(mine)]
+                assert peak == finite.max() if finite.size else np.isnan(peak), (first, last, s)
 
 
 def _raw_means(conn: Connection, sid: int) -> dict[int, float]:

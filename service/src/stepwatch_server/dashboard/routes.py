@@ -6,9 +6,9 @@ queries. Mounted before the read API's router, whose `/runs/{run:path}` would ta
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any
 
-import numpy as np
 from fastapi import APIRouter, Query
 from sqlalchemy import Connection
 from starlette.responses import Response
@@ -157,24 +157,15 @@ def _highest(
 ) -> dict[int, str]:
     """The `top` of `ids` (series id -> module) with the highest amax in the range, highest first: a module
     with a non-finite amax before all, then by the highest over ranks and steps, ties by name, then the
-    modules with nothing in the range. Each module's figures over exactly the range come from the fewest
-    whole buckets of the rank rollup levels and the raw steps at its ends (`rank_rollups.read_span`), so a
-    spike of one step on one rank counts and a long range reads a few packs a module, not its every step
+    modules with nothing in the range. Each module's peak over exactly the range comes from the fewest
+    whole buckets of the rank rollup levels and the raw values at its ends (`rank_rollups.span_peaks`), so
+    a spike of one step on one rank counts and a long range reads a few packs a module, not its every step
     (a model tracking 500 Linear modules: bench/README.md)."""
     found = step_rollups.step_range(conn, list(ids), from_step, to_step, count_up_to=0)
-    if found is None:
-        return {sid: ids[sid] for sid in sorted(ids, key=ids.__getitem__)[:top]}
-    cells = rank_rollups.read_span(conn, list(ids), found[0], found[1])
-    sids = np.fromiter(ids, dtype=np.int64, count=len(ids))
-    order = np.argsort(sids)
-    of = order[np.searchsorted(sids[order], cells.series_id)]  # each cell's module (cells hold only `ids`)
-    highest = np.full(sids.size, -np.inf)
-    np.fmax.at(highest, of, cells.hi)  # NaN where a rank had no finite value: left out
-    nonfinite = np.bincount(of, weights=cells.nonfinite, minlength=sids.size)
-    held = np.bincount(of, weights=cells.n + cells.nonfinite, minlength=sids.size) > 0
-    group = np.where(nonfinite > 0, 0, np.where(held, 1, 2))
-    key = {
-        int(s): (int(g), 0.0 if g != 1 else -float(h), ids[int(s)])
-        for s, g, h in zip(sids, group, highest, strict=True)
-    }
+    key = {sid: (2, 0.0, name) for sid, name in ids.items()}  # nothing in the range
+    if found is not None:
+        series, highest, nonfinite = rank_rollups.span_peaks(conn, list(ids), found[0], found[1])
+        for sid, peak, bad in zip(series.tolist(), highest.tolist(), nonfinite.tolist(), strict=True):
+            if bad or not math.isnan(peak):
+                key[sid] = (0, 0.0, ids[sid]) if bad else (1, -peak, ids[sid])
     return {sid: ids[sid] for sid in sorted(ids, key=key.__getitem__)[:top]}

@@ -237,6 +237,32 @@ def read(
     return unpack(found, figures)
 
 
+def peaks(
+    conn: Connection, ids: Sequence[int], level: int, first: int, last: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per stored pack (or part) of series `ids` at `level` in buckets first..last: (its series, the highest
+    maximum of its ranks, NaN where none had a finite value; the non-finite values it counts), with only
+    those two figures decoded and no row per rank built (a ranking of hundreds of modules reads thousands
+    of packs: dashboard/routes.py)."""
+    p = RankRollupPack
+    found: list[Any] = []
+    for part in chunks(sorted(ids), chunk_size(conn, fixed=3)):
+        found += conn.execute(
+            select(p.series_id, p.data).where(
+                p.series_id.in_(part), p.level == level, p.bucket >= first, p.bucket <= last
+            )
+        ).all()
+    if not found:
+        none = np.zeros(0, dtype=np.int64)
+        return none, np.zeros(0, dtype=np.float64), none
+    _, sizes, columns = decode_columns([bytes(row[1]) for row in found], ("hi", "nonfinite"))
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])  # every pack holds a rank at least
+    with np.errstate(invalid="ignore"):
+        highest = np.fmax.reduceat(columns[FIGURES.index("hi")], starts)
+    nonfinite = np.add.reduceat(columns[FIGURES.index("nonfinite")], starts)
+    return np.array([row[0] for row in found], dtype=np.int64), highest, nonfinite
+
+
 def unpack(found: Sequence[Any], figures: Sequence[str] = FIGURES) -> list[np.ndarray]:
     """Rows of (series_id, bucket, incarnation, data) -> columns, one row per rank, sorted by
     (series, rank, bucket, incarnation); only `figures` decoded, the others NaN."""

@@ -11,6 +11,7 @@ import numpy as np
 from sqlalchemy import Connection
 
 from stepwatch_server.runs import rank_packs, step_rollups
+from stepwatch_server.runs.queries import read_values
 from stepwatch_server.runs.rollups import (
     BUCKET_STEPS,
     LEVELS,
@@ -158,8 +159,8 @@ def read_columns(
 def read_span(conn: Connection, ids: list[int], first_step: int, last_step: int) -> Buckets:
     """Per (series, rank), the figures of exactly steps first_step..last_step (`bucket` 0): the whole
     level-0 buckets inside it taken as the fewest whole buckets of any level (at most two per level,
-    as in a segment tree), the steps of the partial buckets at its ends from the raw points (at most
-    2 x 63 steps per rank)."""
+    as in a segment tree: `_pieces`), the steps of the partial buckets at its ends from the raw points (at
+    most 2 x 63 steps per rank)."""
     ranks = run_ranks(conn, run_ids_of(conn, ids))
     mark = rolled_to(conn, ids)
     lo, hi = -(-first_step // BUCKET_STEPS), (last_step + 1) // BUCKET_STEPS  # whole level-0 buckets lo..hi-1
@@ -170,20 +171,59 @@ def read_span(conn: Connection, ids: list[int], first_step: int, last_step: int)
             from_points(conn, ids, first_step, lo * BUCKET_STEPS - 1, False, BUCKET_STEPS),
             from_points(conn, ids, hi * BUCKET_STEPS, last_step, False, BUCKET_STEPS),
         ]
-        level = 0
-        while lo < hi:
-            if level == LEVELS - 1:
-                parts.append(_read_level(conn, ids, level, lo, hi - 1, mark, ranks))
-                break
-            if lo % 2:
-                parts.append(_read_level(conn, ids, level, lo, lo, mark, ranks))
-                lo += 1
-            if hi % 2:
-                hi -= 1
-                parts.append(_read_level(conn, ids, level, hi, hi, mark, ranks))
-            lo, hi, level = lo // 2, hi // 2, level + 1
+        parts += [_read_level(conn, ids, level, a, b, mark, ranks) for level, a, b in _pieces(lo, hi)]
     cells = merge(*parts)
     return coarsen(_at(cells, 0), 2)
+
+
+def span_peaks(
+    conn: Connection, ids: list[int], first_step: int, last_step: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(the series of `ids` with values in steps first_step..last_step, sorted; each one's highest finite
+    value over every rank, step and incarnation there, NaN where it has none; its non-finite values), as
+    a ranking needs them: the whole level-0 buckets up to the watermark as the fewest whole buckets of any
+    level (`_pieces`), of which only the maxima and non-finite counts are decoded and no row per rank is
+    built (`rank_packs.peaks`), and the raw values at the range's ends and above the watermark. A restart's
+    re-sent steps count with both incarnations' values, as the amax curves' peaks do
+    (`step_rollups.across_ranks` without means)."""
+    mark = rolled_to(conn, ids)
+    lo = -(-first_step // BUCKET_STEPS)
+    hi = max(lo, (min(last_step, mark) + 1) // BUCKET_STEPS)  # whole level-0 buckets lo..hi-1, rolled up
+    found = [rank_packs.peaks(conn, ids, level, a, b) for level, a, b in _pieces(lo, hi)]
+    edges = [(first_step, lo * BUCKET_STEPS - 1), (hi * BUCKET_STEPS, last_step)] if lo < hi else []
+    ranks = run_ranks(conn, run_ids_of(conn, ids))
+    for a, b in edges or [(first_step, last_step)]:
+        if a <= b:
+            sid, _, _, _, value = read_values(conn, ids, None, a, b, ranks=ranks)
+            finite = np.isfinite(value)
+            found.append((sid, np.where(finite, value, np.nan), (~finite).astype(np.int64)))
+    if not found:
+        none = np.zeros(0, dtype=np.int64)
+        return none, np.zeros(0, dtype=np.float64), none
+    sid, high, bad = (np.concatenate(c) for c in zip(*found, strict=True))
+    series, at = np.unique(sid, return_inverse=True)
+    highest = np.full(series.size, np.nan)
+    np.fmax.at(highest, at, high)
+    return series, highest, np.bincount(at, weights=bad, minlength=series.size).astype(np.int64)
+
+
+def _pieces(lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """Level-0 buckets lo..hi-1 as the fewest whole buckets of any level, (level, first, last) each: at
+    most two a level, as in a segment tree, the top level's in one range."""
+    pieces = []
+    level = 0
+    while lo < hi:
+        if level == LEVELS - 1:
+            pieces.append((level, lo, hi - 1))
+            break
+        if lo % 2:
+            pieces.append((level, lo, lo))
+            lo += 1
+        if hi % 2:
+            hi -= 1
+            pieces.append((level, hi, hi))
+        lo, hi, level = lo // 2, hi // 2, level + 1
+    return pieces
 
 
 def _at(cells: Buckets, bucket: int) -> Buckets:
