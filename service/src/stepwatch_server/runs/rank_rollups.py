@@ -11,7 +11,6 @@ import numpy as np
 from sqlalchemy import Connection
 
 from stepwatch_server.runs import rank_packs, step_rollups
-from stepwatch_server.runs.queries import read_values
 from stepwatch_server.runs.rollups import (
     BUCKET_STEPS,
     LEVELS,
@@ -183,7 +182,8 @@ def span_peaks(
     value over every rank, step and incarnation there, NaN where it has none; its non-finite values), as
     a ranking needs them: the whole level-0 buckets up to the watermark as the fewest whole buckets of any
     level (`_pieces`), of which only the maxima and non-finite counts are decoded and no row per rank is
-    built (`rank_packs.peaks`), and the raw values at the range's ends and above the watermark. A restart's
+    built (`rank_packs.peaks`), and the steps at the range's ends, a row a step over all ranks where rolled
+    up (`step_rollups.step_peaks`: at 256 ranks the raw values of a partial bucket took seconds). A restart's
     re-sent steps count with both incarnations' values, as the amax curves' peaks do
     (`step_rollups.across_ranks` without means)."""
     mark = rolled_to(conn, ids)
@@ -191,15 +191,9 @@ def span_peaks(
     hi = max(lo, (min(last_step, mark) + 1) // BUCKET_STEPS)  # whole level-0 buckets lo..hi-1, rolled up
     found = [rank_packs.peaks(conn, ids, level, a, b) for level, a, b in _pieces(lo, hi)]
     edges = [(first_step, lo * BUCKET_STEPS - 1), (hi * BUCKET_STEPS, last_step)] if lo < hi else []
-    ranks = run_ranks(conn, run_ids_of(conn, ids))
-    for a, b in edges or [(first_step, last_step)]:
-        if a <= b:
-            sid, _, _, _, value = read_values(conn, ids, None, a, b, ranks=ranks)
-            finite = np.isfinite(value)
-            found.append((sid, np.where(finite, value, np.nan), (~finite).astype(np.int64)))
-    if not found:
-        none = np.zeros(0, dtype=np.int64)
-        return none, np.zeros(0, dtype=np.float64), none
+    found += [
+        step_rollups.step_peaks(conn, ids, a, b) for a, b in edges or [(first_step, last_step)] if a <= b
+    ]
     sid, high, bad = (np.concatenate(c) for c in zip(*found, strict=True))
     series, at = np.unique(sid, return_inverse=True)
     highest = np.full(series.size, np.nan)

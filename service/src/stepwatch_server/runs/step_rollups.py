@@ -12,7 +12,7 @@ import numpy as np
 from sqlalchemy import Connection, literal, select
 
 from stepwatch_server.runs import rank_packs, step_packs
-from stepwatch_server.runs.queries import fetch_chunked
+from stepwatch_server.runs.queries import fetch_chunked, read_values
 from stepwatch_server.runs.rollups import (
     ALL_RANKS,
     NO_LIMIT,
@@ -32,6 +32,40 @@ from stepwatch_server.runs.rollups import (
 )
 from stepwatch_server.storage.chunks import chunk_size, chunks
 from stepwatch_server.storage.models import StepRollup
+
+
+def step_peaks(
+    conn: Connection, ids: list[int], first: int, last: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per step of series `ids` in first..last and incarnation: (the series, the highest finite value over
+    every rank, NaN where none; the non-finite values), unsorted: the step rollups up to the watermark (rows
+    and the packs of compacted steps: a row a step, whatever the ranks), the raw values above it. What a
+    ranking takes from the steps at a range's ends (rank_rollups.span_peaks)."""
+    mark = rolled_to(conn, ids)
+    found: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    top = min(last, mark)
+    if first <= top:
+        r = StepRollup
+
+        def query(part: Sequence[int]) -> Any:
+            return select(r.series_id, r.hi, r.nonfinite).where(
+                r.series_id.in_(part), r.step >= first, r.step <= top
+            )
+
+        sid, high, bad = fetch_chunked(conn, ids, query, (0, 2), fixed=3)
+        found.append((sid, high, bad))
+        packed = step_packs.read(conn, ids, first, top)
+        found.append((packed[0], packed[7], packed[8].astype(np.int64)))
+    if last > mark:
+        ranks = run_ranks(conn, run_ids_of(conn, ids))
+        sid, *_, value = read_values(conn, ids, None, max(first, mark + 1), last, ranks=ranks)
+        finite = np.isfinite(value)
+        found.append((sid, np.where(finite, value, np.nan), (~finite).astype(np.int64)))
+    if not found:
+        none = np.zeros(0, dtype=np.int64)
+        return none, np.zeros(0, dtype=np.float64), none
+    sid, high, bad = (np.concatenate(c) for c in zip(*found, strict=True))
+    return sid, high, bad
 
 
 def read_steps(conn: Connection, ids: list[int], from_step: int | None, to_step: int | None) -> Buckets:
