@@ -158,9 +158,10 @@ def _highest(
     """The `top` of `ids` (series id -> module) with the highest amax in the range, highest first: a module
     with a non-finite amax before all, then by the highest over ranks and steps, ties by name, then the
     modules with nothing in the range. Each module's peak over exactly the range comes from the fewest
-    whole buckets of the rank rollup levels and the raw values at its ends (`rank_rollups.span_peaks`), so
-    a spike of one step on one rank counts and a long range reads a few packs a module, not its every step
-    (a model tracking 500 Linear modules: bench/README.md)."""
+    whole buckets of the rank rollup levels and the step rollups of the steps at its ends (a row a step over
+    all ranks; raw values only above the watermark: `rank_rollups.span_peaks`), so a spike of one step on
+    one rank counts and a long range reads a few packs a module, not its every step (a model tracking 500
+    Linear modules: bench/README.md)."""
     found = step_rollups.step_range(conn, list(ids), from_step, to_step, count_up_to=0)
     key = {sid: (2, 0.0, name) for sid, name in ids.items()}  # nothing in the range
     if found is not None:

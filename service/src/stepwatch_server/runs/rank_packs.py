@@ -226,15 +226,24 @@ def read(
     """The figures of series `ids` at `level` in buckets first..last (None: to the end), one row per
     (series, rank, bucket, incarnation), sorted by that key; only `figures` decoded, the others NaN."""
     p = RankRollupPack
+    return unpack(
+        _stored(conn, ids, level, first, last, p.series_id, p.bucket, p.incarnation, p.data), figures
+    )
+
+
+def _stored(
+    conn: Connection, ids: Sequence[int], level: int, first: int, last: int | None, *columns: Any
+) -> list[Any]:
+    """The `columns` of the stored packs (or parts) of series `ids` at `level` in buckets first..last (None:
+    to the end), in chunks of ids that the database's bound-parameter limit allows."""
+    p = RankRollupPack
     found: list[Any] = []
     for part in chunks(sorted(ids), chunk_size(conn, fixed=3)):
-        q = select(p.series_id, p.bucket, p.incarnation, p.data).where(
-            p.series_id.in_(part), p.level == level, p.bucket >= first
-        )
+        q = select(*columns).where(p.series_id.in_(part), p.level == level, p.bucket >= first)
         if last is not None:
             q = q.where(p.bucket <= last)
         found += conn.execute(q).all()
-    return unpack(found, figures)
+    return found
 
 
 def peaks(
@@ -244,14 +253,7 @@ def peaks(
     maximum of its ranks, NaN where none had a finite value; the non-finite values it counts), with only
     those two figures decoded and no row per rank built (a ranking of hundreds of modules reads thousands
     of packs: dashboard/routes.py)."""
-    p = RankRollupPack
-    found: list[Any] = []
-    for part in chunks(sorted(ids), chunk_size(conn, fixed=3)):
-        found += conn.execute(
-            select(p.series_id, p.data).where(
-                p.series_id.in_(part), p.level == level, p.bucket >= first, p.bucket <= last
-            )
-        ).all()
+    found = _stored(conn, ids, level, first, last, RankRollupPack.series_id, RankRollupPack.data)
     if not found:
         none = np.zeros(0, dtype=np.int64)
         return none, np.zeros(0, dtype=np.float64), none

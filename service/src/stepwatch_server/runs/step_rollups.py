@@ -61,10 +61,7 @@ def step_peaks(
         sid, *_, value = read_values(conn, ids, None, max(first, mark + 1), last, ranks=ranks)
         finite = np.isfinite(value)
         found.append((sid, np.where(finite, value, np.nan), (~finite).astype(np.int64)))
-    if not found:
-        none = np.zeros(0, dtype=np.int64)
-        return none, np.zeros(0, dtype=np.float64), none
-    sid, high, bad = (np.concatenate(c) for c in zip(*found, strict=True))
+    sid, high, bad = (np.concatenate(c) for c in zip(*found, strict=True))  # first <= last: one read at least
     return sid, high, bad
 
 
