@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, delete, insert, select
+from sqlalchemy import Connection, and_, delete, func, insert, or_, select
 
 from stepwatch_server.storage import codec
 from stepwatch_server.storage.chunks import chunk_size, chunks
@@ -244,6 +244,14 @@ def _stored(
             q = q.where(p.bucket <= last)
         found += conn.execute(q).all()
     return found
+
+
+def count(conn: Connection, sid: int, pieces: Sequence[tuple[int, int, int]]) -> int:
+    """The stored packs (parts counted) of series `sid` in `pieces`, (level, first bucket, last bucket) each."""
+    p = RankRollupPack
+    within = [and_(p.level == level, p.bucket >= a, p.bucket <= b) for level, a, b in pieces]
+    query = select(func.count()).select_from(p).where(p.series_id == sid, or_(*within))
+    return int(conn.execute(query).scalar() or 0)
 
 
 def peaks(
