@@ -52,21 +52,25 @@ def upgrade() -> None:
         batch.alter_column('part', server_default=None)
     conn = op.get_bind()
     for sid, level in _levels(conn):
-        rank_packs.write(conn, level, _take(conn, sid, level))
+        _insert(conn, rank_packs.rows(level, _take(conn, sid, level)), ':part')
+
+
+def _insert(conn: sa.Connection, rows: list[dict[str, object]], part: str) -> None:
+    """Insert `rank_packs.rows` into this revision's table (`part`: its value), their later columns left out."""
+    if rows:
+        conn.execute(
+            sa.text(
+                'INSERT INTO rank_rollup_packs (series_id, level, bucket, incarnation, part, ranks, data) '
+                f'VALUES (:series_id, :level, :bucket, :incarnation, {part}, :ranks, :data)'
+            ).bindparams(sa.bindparam('data', type_=sa.LargeBinary())),
+            rows,
+        )
 
 
 def downgrade() -> None:
     conn = op.get_bind()
     for sid, level in _levels(conn):
-        rows = rank_packs.rows(level, _take(conn, sid, level), parts=False)
-        if rows:
-            conn.execute(
-                sa.text(
-                    'INSERT INTO rank_rollup_packs (series_id, level, bucket, incarnation, part, ranks, data) '
-                    'VALUES (:series_id, :level, :bucket, :incarnation, 0, :ranks, :data)'
-                ).bindparams(sa.bindparam('data', type_=sa.LargeBinary())),
-                rows,
-            )
+        _insert(conn, rank_packs.rows(level, _take(conn, sid, level), parts=False), '0')
     with op.batch_alter_table('rank_rollup_packs', recreate='always') as batch:
         batch.drop_constraint('pk_rank_rollup_packs', type_='primary')
         batch.create_primary_key('pk_rank_rollup_packs', KEY)

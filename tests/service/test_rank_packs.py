@@ -1,7 +1,7 @@
 """The rank rollups' packed rows (runs/rank_packs.py): a pack gives back every rank's figures bit for bit,
 a bucket's ranks are held by one pack (in parts where it is big), migration 0010 moves the rows of a
-database of the earlier layout into packs and 0013 cuts big packs into parts (and both back, on a
-downgrade) without changing a figure."""
+database of the earlier layout into packs, 0013 cuts big packs into parts (and both back, on a
+downgrade) without changing a figure, and 0014 stores each pack's peaks beside it."""
 
 from __future__ import annotations
 
@@ -109,6 +109,32 @@ def test_packs_are_written_per_bucket_and_read_back_per_rank(database_url: str) 
             assert all(np.isnan(some[i]).all() and some[i].size == whole[i].size for i in (5, 6, 8))
             coarse = rank_packs.read(conn, sids, 4, 5, 5)  # bucket 5 of level 4: level 3's 10 and 11
             assert _by_key(coarse) == _summed(cols, lambda bucket: bucket // 2 == 5)
+            # The peaks stored beside each pack (or part): its ranks' highest maximum and non-finite values.
+            for sid, bucket, inc, part, high, bad, data in conn.execute(
+                text(
+                    "SELECT series_id, bucket, incarnation, part, hi, nonfinite, data FROM rank_rollup_packs "
+                    "WHERE level = 3"
+                )
+            ):
+                _, (_, _, _, his, bads) = rank_packs.decode(bytes(data))
+                assert bad == bads.sum() and high == np.fmax.reduce(his), (sid, bucket, inc, part)
+            pieces = [(3, 0, 5), (4, 5, 5)]  # level 3's buckets 0-5, and 10-11 as level 4's bucket 5
+            series, highest, nonfinite = rank_packs.peaks(conn, sids, pieces)
+            assert series.tolist() == sorted(sids)
+            expected = _peaks(cols, lambda bucket: bucket <= 5 or bucket >= 10)
+            assert _per_series(series, highest, nonfinite) == expected
+        with engine.begin() as conn:  # a pack of ranks that had no finite value: no highest maximum
+            nothing = [c[cols[2] == 0] for c in cols]
+            nothing[4][:], nothing[5][:], nothing[6][:], nothing[7][:] = 0, 0.0, np.nan, np.nan
+            rank_packs.write(conn, 6, nothing)
+        with engine.connect() as conn:
+            assert {
+                tuple(r) for r in conn.execute(text("SELECT hi FROM rank_rollup_packs WHERE level = 6"))
+            } == {(None,)}
+            series, highest, nonfinite = rank_packs.peaks(conn, sids, [(6, 0, 0)])
+            assert np.isnan(highest).all() and nonfinite.tolist() == [
+                int(nothing[8][nothing[0] == sid].sum()) for sid in sorted(sids)
+            ]
         with engine.begin() as conn:
             rank_packs.remove(conn, sids[:1], 3, 0, 11)
         with engine.connect() as conn:
@@ -207,6 +233,67 @@ def test_the_migration_cuts_whole_packs_into_parts_and_joins_them_again(database
             assert _bits(rank_packs.unpack(found)) == expected
     finally:
         engine.dispose()
+
+
+def test_the_migration_stores_each_packs_peaks_beside_it(database_url: str) -> None:
+    """Packs written without their peaks (0013) have them once 0014 ran: each part's highest maximum and
+    non-finite values, as `rows` writes them now, read by `peaks`; a downgrade drops the two columns and
+    leaves the packs as they were."""
+    engine = make_engine(database_url)
+    columns = "series_id, level, bucket, incarnation, part, ranks, data"
+    try:
+        upgrade(engine, "0013")
+        with engine.begin() as conn:
+            sids = two_series(conn)
+            cols = _rank_rows(sids)
+            rows = [*rank_packs.rows(0, cols), *rank_packs.rows(2, cols)]
+            conn.execute(
+                text(f"INSERT INTO rank_rollup_packs ({columns}) VALUES (:{columns.replace(', ', ', :')})"),
+                rows,
+            )
+        upgrade(engine)
+        key = ("series_id", "level", "bucket", "incarnation", "part")
+        with engine.connect() as conn:
+            got = conn.execute(text(f"SELECT {', '.join(key)}, hi, nonfinite FROM rank_rollup_packs")).all()
+            assert sorted(tuple(r) for r in got) == sorted(
+                (*(r[k] for k in key), r["hi"], r["nonfinite"]) for r in rows
+            )
+            assert any(r["part"] for r in rows) and all(r["hi"] is not None for r in rows)
+            series, highest, nonfinite = rank_packs.peaks(conn, sids, [(0, 3, 11)])
+            expected = _peaks(cols, lambda bucket: bucket >= 3)
+            assert _per_series(series, highest, nonfinite) == expected
+        with engine.connect() as conn:
+            cfg = alembic_config()
+            cfg.attributes["connection"] = conn
+            command.downgrade(cfg, "0013")
+            conn.commit()
+            assert {c["name"] for c in inspect(conn).get_columns("rank_rollup_packs")} == set(
+                columns.split(", ")
+            )
+            back = conn.execute(text(f"SELECT {columns} FROM rank_rollup_packs")).all()
+        assert sorted((*r[:6], bytes(r[6])) for r in back) == sorted(
+            tuple(r[c] for c in columns.split(", ")) for r in rows
+        )
+    finally:
+        engine.dispose()
+
+
+def _per_series(
+    series: np.ndarray, highest: np.ndarray, nonfinite: np.ndarray
+) -> dict[int, tuple[float, int]]:
+    return {s: (h, b) for s, h, b in zip(series.tolist(), highest.tolist(), nonfinite.tolist(), strict=True)}
+
+
+def _peaks(cols: list[np.ndarray], take: Callable[[int], bool]) -> dict[int, tuple[float, int]]:
+    """Per series, over the rows whose bucket `take` accepts, in plain Python: the highest maximum of the
+    finite ones (NaN where none) and the non-finite values."""
+    out: dict[int, list[float]] = {}
+    for sid, _, bucket, _, _, _, _, hi, bad in zip(*(c.tolist() for c in cols), strict=True):
+        if take(bucket):
+            got = out.setdefault(sid, [float("-inf"), 0])
+            got[0] = max(got[0], hi) if hi == hi else got[0]
+            got[1] += bad
+    return {sid: (hi if hi > float("-inf") else float("nan"), int(bad)) for sid, (hi, bad) in out.items()}
 
 
 def _rank_rows(sids: list[int]) -> list[np.ndarray]:

@@ -135,14 +135,13 @@ def _rolled(got: rollups.Buckets, by: str = "bucket") -> dict[tuple[int, int], t
 
 @pytest.mark.parametrize("hand_over_below", [STEPS, 500], ids=["rolled-up", "rolled-up-to-499"])
 def test_span_reads_from_the_rollup_levels_equal_the_raw_figures_of_their_steps(
-    engine: Engine, worker: RollupWorker, hand_over_below: int, monkeypatch: pytest.MonkeyPatch
+    engine: Engine, worker: RollupWorker, hand_over_below: int
 ) -> None:
     """`read_span` (a range's figures per rank from the fewest whole buckets of any level, the raw steps at its
     ends and above the watermark) equals the raw figures of exactly those steps, the latest incarnation of
-    each, and `span_peaks` (the amax ranking's read, the same buckets, or the steps where they cost less)
-    each series' highest value and non-finite count there, whichever it reads (packs costing nothing,
-    as measured, or more than any steps): ranges aligned and not to buckets, one step, the spike, the NaN,
-    the restart (its buckets of two incarnations), the whole run."""
+    each, and `span_peaks` (the amax ranking's read, the same buckets) each series' highest value and
+    non-finite count there: ranges aligned and not to buckets, one step, the spike, the NaN, the restart (its
+    buckets of two incarnations), the whole run."""
     ids = _write(engine, worker, hand_over_below=hand_over_below)
     rng = np.random.default_rng(7)
     ranges = [(0, STEPS - 1), (64, 1023), (333, 333), (1, 1022), (128, 895), (600, 700), (0, 63), (64, 127)]
@@ -174,22 +173,14 @@ def test_span_reads_from_the_rollup_levels_equal_the_raw_figures_of_their_steps(
                     assert got[key][2:4] == (lo, hi), (first, last, key)
             # The ranking's read: each series' highest value and non-finite count over every rank and
             # incarnation (a restart's re-sent steps count both), exact.
+            series, highest, nonfinite = rank_rollups.span_peaks(conn, list(ids.values()), first, last)
             sid, *_, value = queries.read_values(conn, list(ids.values()), None, first, last)
-            for pack_rows in (0, rank_rollups.PACK_ROWS, 10**9):
-                monkeypatch.setattr(rank_rollups, "PACK_ROWS", pack_rows)
-                series, highest, nonfinite = rank_rollups.span_peaks(conn, list(ids.values()), first, last)
-                monkeypatch.undo()
-                assert series.tolist() == sorted(set(sid.tolist())), (first, last, pack_rows)
-                for s, peak, bad in zip(series.tolist(), highest.tolist(), nonfinite.tolist(), strict=True):
-                    mine = value[sid == s]
-                    assert bad == int((~np.isfinite(mine)).sum()), (first, last, s, pack_rows)
-                    finite = mine[np.isfinite(mine)]
-                    assert peak == finite.max() if finite.size else np.isnan(peak), (
-                        first,
-                        last,
-                        s,
-                        pack_rows,
-                    )
+            assert series.tolist() == sorted(set(sid.tolist())), (first, last)
+            for s, peak, bad in zip(series.tolist(), highest.tolist(), nonfinite.tolist(), strict=True):
+                mine = value[sid == s]
+                assert bad == int((~np.isfinite(mine)).sum()), (first, last, s)
+                finite = mine[np.isfinite(mine)]
+                assert peak == finite.max() if finite.size else np.isnan(peak), (first, last, s)
 
 
 def _raw_means(conn: Connection, sid: int) -> dict[int, float]:

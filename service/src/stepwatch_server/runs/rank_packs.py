@@ -23,6 +23,7 @@ Columns here are lists of numpy arrays in the order of `COLUMNS`, as the reads u
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -160,8 +161,9 @@ def write(conn: Connection, level: int, cols: list[np.ndarray]) -> None:
 
 
 def rows(level: int, cols: list[np.ndarray], parts: bool = True) -> list[dict[str, Any]]:
-    """The `rank_rollup_packs` rows of `write`; `parts=False`: each pack whole and no `part` (the table of
-    migrations 0010-0012)."""
+    """The `rank_rollup_packs` rows of `write`, each with its ranks' highest maximum (`hi`, None where none
+    had a finite value) and non-finite values (`nonfinite`) beside the pack; `parts=False`: each pack whole
+    and no `part` (the table of migrations 0010-0012, which ignore `hi` and `nonfinite`)."""
     sid, rank, bucket, inc = cols[:4]
     if sid.size == 0:
         return []
@@ -169,15 +171,24 @@ def rows(level: int, cols: list[np.ndarray], parts: bool = True) -> list[dict[st
     sid, rank, bucket, inc = sid[order], rank[order], bucket[order], inc[order]
     figures = [c[order] for c in cols[4:]]
     out = []
+    starts = []  # each stored row's first rank's row: they follow one another
     for whole in encode_groups([sid, bucket, inc], rank, figures):
         first = whole[0]
         key = {"series_id": int(sid[first]), "level": level, "bucket": int(bucket[first])}
         key["incarnation"] = int(inc[first])
         if not parts:
             out.append({**key, "ranks": whole[1] - first, "data": whole[2]})
+            starts.append(first)
             continue
         for part, (a, b, data) in enumerate(_parts(whole, rank, figures)):
             out.append({**key, "part": part, "ranks": b - a, "data": data})
+            starts.append(a)
+    with np.errstate(invalid="ignore"):
+        highest = np.fmax.reduceat(figures[FIGURES.index("hi")], starts).tolist()
+    nonfinite = np.add.reduceat(figures[FIGURES.index("nonfinite")], starts).tolist()
+    for row, high, bad in zip(out, highest, nonfinite, strict=True):
+        row["hi"] = None if math.isnan(high) else high
+        row["nonfinite"] = int(bad)
     return out
 
 
@@ -226,51 +237,36 @@ def read(
     """The figures of series `ids` at `level` in buckets first..last (None: to the end), one row per
     (series, rank, bucket, incarnation), sorted by that key; only `figures` decoded, the others NaN."""
     p = RankRollupPack
-    return unpack(
-        _stored(conn, ids, level, first, last, p.series_id, p.bucket, p.incarnation, p.data), figures
-    )
-
-
-def _stored(
-    conn: Connection, ids: Sequence[int], level: int, first: int, last: int | None, *columns: Any
-) -> list[Any]:
-    """The `columns` of the stored packs (or parts) of series `ids` at `level` in buckets first..last (None:
-    to the end), in chunks of ids that the database's bound-parameter limit allows."""
-    p = RankRollupPack
     found: list[Any] = []
     for part in chunks(sorted(ids), chunk_size(conn, fixed=3)):
-        q = select(*columns).where(p.series_id.in_(part), p.level == level, p.bucket >= first)
+        q = select(p.series_id, p.bucket, p.incarnation, p.data).where(
+            p.series_id.in_(part), p.level == level, p.bucket >= first
+        )
         if last is not None:
             q = q.where(p.bucket <= last)
         found += conn.execute(q).all()
-    return found
-
-
-def count(conn: Connection, sid: int, pieces: Sequence[tuple[int, int, int]]) -> int:
-    """The stored packs (parts counted) of series `sid` in `pieces`, (level, first bucket, last bucket) each."""
-    p = RankRollupPack
-    within = [and_(p.level == level, p.bucket >= a, p.bucket <= b) for level, a, b in pieces]
-    query = select(func.count()).select_from(p).where(p.series_id == sid, or_(*within))
-    return int(conn.execute(query).scalar() or 0)
+    return unpack(found, figures)
 
 
 def peaks(
-    conn: Connection, ids: Sequence[int], level: int, first: int, last: int
+    conn: Connection, ids: Sequence[int], pieces: Sequence[tuple[int, int, int]]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per stored pack (or part) of series `ids` at `level` in buckets first..last: (its series, the highest
-    maximum of its ranks, NaN where none had a finite value; the non-finite values it counts), with only
-    those two figures decoded and no row per rank built (a ranking of hundreds of modules reads thousands
-    of packs: dashboard/routes.py)."""
-    found = _stored(conn, ids, level, first, last, RankRollupPack.series_id, RankRollupPack.data)
-    if not found:
-        none = np.zeros(0, dtype=np.int64)
-        return none, np.zeros(0, dtype=np.float64), none
-    _, sizes, columns = decode_columns([bytes(row[1]) for row in found], ("hi", "nonfinite"))
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])  # every pack holds a rank at least
-    with np.errstate(invalid="ignore"):
-        highest = np.fmax.reduceat(columns[FIGURES.index("hi")], starts)
-    nonfinite = np.add.reduceat(columns[FIGURES.index("nonfinite")], starts)
-    return np.array([row[0] for row in found], dtype=np.int64), highest, nonfinite
+    """Per series of `ids` with packs in `pieces` ((level, first bucket, last bucket) each): (the series, the
+    highest maximum of their ranks, NaN where none had a finite value; the non-finite values they count),
+    from the columns stored beside each pack (`rows`): nothing decoded, a row a part read (a ranking of
+    hundreds of modules: dashboard/routes.py)."""
+    p = RankRollupPack
+    within = or_(*(and_(p.level == level, p.bucket >= a, p.bucket <= b) for level, a, b in pieces))
+    found: list[Any] = []
+    for part in chunks(sorted(ids), chunk_size(conn, fixed=3 * len(pieces))):
+        found += conn.execute(
+            select(p.series_id, func.max(p.hi), func.sum(p.nonfinite))
+            .where(p.series_id.in_(part), within)
+            .group_by(p.series_id)
+        ).all()
+    series = np.array([row[0] for row in found], dtype=np.int64)
+    highest = np.array([np.nan if row[1] is None else row[1] for row in found], dtype=np.float64)
+    return series, highest, np.array([row[2] for row in found], dtype=np.int64)
 
 
 def unpack(found: Sequence[Any], figures: Sequence[str] = FIGURES) -> list[np.ndarray]:

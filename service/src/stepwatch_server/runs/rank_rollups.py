@@ -26,10 +26,6 @@ from stepwatch_server.runs.rollups import (
 )
 
 RAW_READ_BUDGET = 200_000  # above this many raw values, a heatmap or series?rank=all reads the rollups
-# A stored pack (or part) costs about as much to read as this many step rollup rows: parsing its block in
-# Python costs ~64 us, fetching a row ~0.8 us (SQLite, 256 ranks; bench/README.md "The amax ranking reads
-# the steps where they cost less"). `span_peaks` reads whichever of the two costs less.
-PACK_ROWS = 80
 
 
 def read(
@@ -185,20 +181,16 @@ def span_peaks(
     """(the series of `ids` with values in steps first_step..last_step, sorted; each one's highest finite
     value over every rank, step and incarnation there, NaN where it has none; its non-finite values), as
     a ranking needs them: the whole level-0 buckets up to the watermark as the fewest whole buckets of any
-    level (`_pieces`), of which only the maxima and non-finite counts are decoded and no row per rank is
-    built (`rank_packs.peaks`), and the steps at the range's ends, a row a step over all ranks where rolled
-    up (`step_rollups.step_peaks`: at 256 ranks the raw values of a partial bucket took seconds). Where the
-    steps of the whole buckets cost less to read than their packs (a short range, or a run of so many ranks
-    that each bucket is stored in parts: `_steps_cost_less`), all of the range is read from the steps. A
-    restart's re-sent steps count with both incarnations' values, as the amax curves' peaks do
+    level (`_pieces`), of which only the highest maximum and non-finite count stored beside each pack are
+    read, nothing decoded (`rank_packs.peaks`), and the steps at the range's ends, a row a step over all ranks where rolled
+    up (`step_rollups.step_peaks`: at 256 ranks the raw values of a partial bucket took seconds). A restart's
+    re-sent steps count with both incarnations' values, as the amax curves' peaks do
     (`step_rollups.across_ranks` without means)."""
     mark = rolled_to(conn, ids)
     lo = -(-first_step // BUCKET_STEPS)
     hi = max(lo, (min(last_step, mark) + 1) // BUCKET_STEPS)  # whole level-0 buckets lo..hi-1, rolled up
     pieces = _pieces(lo, hi)
-    if pieces and _steps_cost_less(conn, min(ids), pieces, lo * BUCKET_STEPS, hi * BUCKET_STEPS - 1):
-        pieces, hi = [], lo
-    found = [rank_packs.peaks(conn, ids, level, a, b) for level, a, b in pieces]
+    found = [rank_packs.peaks(conn, ids, pieces)] if pieces else []
     edges = [(first_step, lo * BUCKET_STEPS - 1), (hi * BUCKET_STEPS, last_step)] if lo < hi else []
     found += [
         step_rollups.step_peaks(conn, ids, a, b) for a, b in edges or [(first_step, last_step)] if a <= b
@@ -208,17 +200,6 @@ def span_peaks(
     highest = np.full(series.size, np.nan)
     np.fmax.at(highest, at, high)
     return series, highest, np.bincount(at, weights=bad, minlength=series.size).astype(np.int64)
-
-
-def _steps_cost_less(
-    conn: Connection, sid: int, pieces: list[tuple[int, int, int]], first: int, last: int
-) -> bool:
-    """Whether series `sid`'s step rollups of steps first..last (rows, and packs where compacted) cost less to
-    read than its rank rollup packs of `pieces`, which hold the same steps (PACK_ROWS): one series stands
-    for the others of a ranking, which share its run's ranks and cadence."""
-    budget = rank_packs.count(conn, sid, pieces) * PACK_ROWS
-    rows, packs = step_rollups.stored(conn, sid, first, last, up_to=budget)
-    return rows + packs * PACK_ROWS < budget
 
 
 def _pieces(lo: int, hi: int) -> list[tuple[int, int, int]]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, func, literal, select
+from sqlalchemy import Connection, literal, select
 
 from stepwatch_server.runs import rank_packs, step_packs
 from stepwatch_server.runs.queries import fetch_chunked, read_values
@@ -31,7 +31,7 @@ from stepwatch_server.runs.rollups import (
     run_ranks,
 )
 from stepwatch_server.storage.chunks import chunk_size, chunks
-from stepwatch_server.storage.models import StepRollup, StepRollupPack
+from stepwatch_server.storage.models import StepRollup
 
 
 def step_peaks(
@@ -63,18 +63,6 @@ def step_peaks(
         found.append((sid, np.where(finite, value, np.nan), (~finite).astype(np.int64)))
     sid, high, bad = (np.concatenate(c) for c in zip(*found, strict=True))  # first <= last: one read at least
     return sid, high, bad
-
-
-def stored(conn: Connection, sid: int, first: int, last: int, up_to: int) -> tuple[int, int]:
-    """(the step rollup rows of series `sid` in steps first..last, counted up to `up_to` + 1; the packs of its
-    compacted steps there): what a read of its steps would fetch (rank_rollups.span_peaks weighs it)."""
-    r, p = StepRollup, StepRollupPack
-    some = select(literal(1)).where(r.series_id == sid, r.step >= first, r.step <= last).limit(up_to + 1)
-    rows = conn.execute(select(func.count()).select_from(some.subquery())).scalar()
-    packs = conn.execute(
-        select(func.count()).where(p.series_id == sid, p.last_step >= first, p.first_step <= last)
-    ).scalar()
-    return int(rows or 0), int(packs or 0)
 
 
 def read_steps(conn: Connection, ids: list[int], from_step: int | None, to_step: int | None) -> Buckets:

@@ -205,6 +205,8 @@ class RankRollupPack(Base):
     (`data`: runs/rank_packs.py; `ranks`: how many ranks it holds), or in a few parts of consecutive ranks
     (`part` 0, 1, ...) where one would take more than a third of a SQLite page. A row per rank took ~40
     bytes on SQLite and ~136 on PostgreSQL, more than the compacted values themselves (runs/rollups.py).
+    `hi` and `nonfinite`: the highest maximum of its ranks (NULL where none had a finite value) and their
+    non-finite values, so that a ranking of modules by their amax reads them without decoding a pack.
 
     A table with rowids on SQLite (the key is a separate index): its rows stay in the table's pages up to
     ~4 KB, where a WITHOUT ROWID row over ~1 KB (a pack of ~100 ranks) kept ~490 bytes in the b-tree and
@@ -221,6 +223,8 @@ class RankRollupPack(Base):
     part: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     ranks: Mapped[int]
     data: Mapped[bytes] = mapped_column(LargeBinary)
+    hi: Mapped[float | None] = mapped_column(Double)
+    nonfinite: Mapped[int] = mapped_column(BigInteger)
 
 
 class StepRollup(RollupStats, Base):
