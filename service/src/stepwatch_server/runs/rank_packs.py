@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, and_, delete, func, insert, or_, select
+from sqlalchemy import Connection, delete, func, insert, select
 
 from stepwatch_server.storage import codec
 from stepwatch_server.storage.chunks import chunk_size, chunks
@@ -251,19 +251,21 @@ def read(
 def peaks(
     conn: Connection, ids: Sequence[int], pieces: Sequence[tuple[int, int, int]]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per series of `ids` with packs in `pieces` ((level, first bucket, last bucket) each): (the series, the
-    highest maximum of their ranks, NaN where none had a finite value; the non-finite values they count),
-    from the columns stored beside each pack (`rows`): nothing decoded, a row a part read (a ranking of
-    hundreds of modules: dashboard/routes.py)."""
+    """Per piece of `pieces` ((level, first bucket, last bucket) each) and series of `ids` with packs there:
+    (the series, the highest maximum of their ranks, NaN where none had a finite value; the non-finite values
+    they count), unsorted, from the columns stored beside each pack (`rows`): nothing decoded, a row a part
+    read (a ranking of hundreds of modules: dashboard/routes.py). A query a piece, so each is a seek into the
+    key (one query for all of them, its levels ORed, read every pack of the series on SQLite: 0.39 s at 500
+    modules x 100k steps)."""
     p = RankRollupPack
-    within = or_(*(and_(p.level == level, p.bucket >= a, p.bucket <= b) for level, a, b in pieces))
     found: list[Any] = []
-    for part in chunks(sorted(ids), chunk_size(conn, fixed=3 * len(pieces))):
-        found += conn.execute(
-            select(p.series_id, func.max(p.hi), func.sum(p.nonfinite))
-            .where(p.series_id.in_(part), within)
-            .group_by(p.series_id)
-        ).all()
+    for level, a, b in pieces:
+        for part in chunks(sorted(ids), chunk_size(conn, fixed=3)):
+            found += conn.execute(
+                select(p.series_id, func.max(p.hi), func.sum(p.nonfinite))
+                .where(p.series_id.in_(part), p.level == level, p.bucket >= a, p.bucket <= b)
+                .group_by(p.series_id)
+            ).all()
     series = np.array([row[0] for row in found], dtype=np.int64)
     highest = np.array([np.nan if row[1] is None else row[1] for row in found], dtype=np.float64)
     return series, highest, np.array([row[2] for row in found], dtype=np.int64)
