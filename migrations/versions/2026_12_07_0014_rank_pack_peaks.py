@@ -49,7 +49,9 @@ def _peaks(conn: sa.Connection, sid: int, level: int) -> list[dict[str, object]]
 def upgrade() -> None:
     with op.batch_alter_table('rank_rollup_packs') as batch:
         batch.add_column(sa.Column('hi', sa.Double(), nullable=True))
-        batch.add_column(sa.Column('nonfinite', sa.BigInteger(), nullable=True))
+        # NOT NULL with a default from the start: SQLite adds it in place (making it NOT NULL after would copy
+        # the table), PostgreSQL without rewriting its rows
+        batch.add_column(sa.Column('nonfinite', sa.BigInteger(), nullable=False, server_default='0'))
     conn = op.get_bind()
     levels = conn.execute(sa.text('SELECT DISTINCT series_id, level FROM rank_rollup_packs ORDER BY 1, 2')).all()
     where = ' AND '.join(f'{k} = :{k}' for k in KEY)
@@ -59,8 +61,6 @@ def upgrade() -> None:
             conn.execute(
                 sa.text(f'UPDATE rank_rollup_packs SET hi = :hi, nonfinite = :nonfinite WHERE {where}'), rows
             )
-    with op.batch_alter_table('rank_rollup_packs') as batch:  # SQLite: the table copied
-        batch.alter_column('nonfinite', existing_type=sa.BigInteger(), nullable=False)
 
 
 def downgrade() -> None:

@@ -224,7 +224,7 @@ class RankRollupPack(Base):
     ranks: Mapped[int]
     data: Mapped[bytes] = mapped_column(LargeBinary)
     hi: Mapped[float | None] = mapped_column(Double)
-    nonfinite: Mapped[int] = mapped_column(BigInteger)
+    nonfinite: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
 
 
 class StepRollup(RollupStats, Base):
