@@ -155,7 +155,7 @@ def write_run(
             insert(Rank),
             [
                 dict(run_id=run_id, rank=r, node=f"gpu-{r // 8:03d}", local_rank=r % 8, world_size=ranks,
-                     replica_group=r, shard=0, num_shards=1, incarnation=1, last_step=steps,
+                     replica_group=r, shard=0, num_shards=1, incarnation=1, last_step=steps, stored_to=steps,
                      last_seen_at=now)
                 for r in range(ranks)
             ],

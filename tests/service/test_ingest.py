@@ -9,8 +9,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 
 from stepwatch_server.ingest.example import EXAMPLE_BATCH
+from stepwatch_server.storage import make_engine
 from tests.service.conftest import Collector, make_batch, steps_batch
 
 
@@ -274,8 +276,14 @@ def test_rank_state_moves_forward_only_and_a_late_batch_of_an_older_incarnation_
         }
         assert collector.post(doc).status_code == 200
 
+    stored_to: list[int] = []
+    engine = make_engine(collector.database_url)
+
     def state() -> dict[str, Any]:
         (found,) = collector.get(f"/api/v1/runs/{run}/ranks")["ranks"]
+        with engine.connect() as conn:
+            query = "SELECT stored_to FROM ranks JOIN runs ON runs.id = ranks.run_id WHERE runs.name = :run"
+            stored_to.append(conn.execute(text(query), {"run": run}).scalar_one())
         return dict(found)
 
     hb = {"ts": 1_764_427_300.0, "phase": "forward", "last_step": 20}
@@ -297,10 +305,14 @@ def test_rank_state_moves_forward_only_and_a_late_batch_of_an_older_incarnation_
     assert (restarted["incarnation"], restarted["last_step"], restarted["node"]) == (2, 3, "n2")
     post(old, 2, [30], node="n1", heartbeat={**hb, "ts": hb["ts"] + 99, "phase": "backward"})  # late, old
     late = state()
+    engine.dispose()
     assert {k: late[k] for k in ("incarnation", "last_step", "node", "phase")} == {
         k: restarted[k] for k in ("incarnation", "last_step", "node", "phase")
     }
     assert late["last_seen_at"] >= restarted["last_seen_at"]
+    # The highest step stored, any incarnation: forward only (the restart's step 3 leaves it at 20, the old
+    # incarnation's late step 30 moves it), what reads above the rollup watermark go by (rollups.stored_above).
+    assert stored_to == [20, 20, 20, 30]
 
 
 def test_while_detection_is_full_ingest_answers_429_and_stores_nothing_then_takes_it_again(

@@ -637,9 +637,65 @@ def test_the_migration_rolls_up_the_values_already_stored(database_url: str) -> 
         engine.dispose()
 
 
+def test_the_migration_gives_each_rank_its_highest_stored_step(database_url: str) -> None:
+    """0015 sets `ranks.stored_to` from the values above the run's rollup watermark (the watermark where a
+    rank has none there, NULL where a run without one has no values of the rank)."""
+    engine = make_engine(database_url)
+    try:
+        upgrade(engine, "0014")
+        now = dt.datetime.now(dt.UTC)
+        tops = {}
+        with engine.begin() as conn:
+            for name, mark, last in (
+                ("marked", 59, {0: 99, 1: 49, 2: None}),
+                ("unmarked", None, {0: 9, 1: None}),
+            ):
+                run_id = conn.execute(
+                    insert(Run)
+                    .values(name=name, world_size=3, created_at=now, last_seen_at=now)
+                    .returning(Run.id)
+                ).scalar_one()
+                sids = [
+                    conn.execute(
+                        insert(Series).values(run_id=run_id, stat="", name=metric).returning(Series.id)
+                    ).scalar_one()
+                    for metric in ("loss", "lr")
+                ]
+                for rank, top in last.items():
+                    conn.execute(
+                        text(
+                            "INSERT INTO ranks (run_id, rank, world_size, replica_group, shard, num_shards, "
+                            "incarnation, last_seen_at) VALUES (:run, :rank, 3, :rank, 0, 1, 1, :now)"
+                        ),
+                        {"run": run_id, "rank": rank, "now": now},
+                    )
+                    if top is not None:  # loss to `top`, lr to 10 steps less
+                        rows = [(sids[0], rank, s, 1, 1.0) for s in range(top + 1)]
+                        insert_points(conn, rows + [(sids[1], rank, s, 1, 1.0) for s in range(top - 9)])
+                if mark is not None:
+                    conn.execute(
+                        text("INSERT INTO rollup_marks (run_id, rolled_to) VALUES (:r, :m)"),
+                        {"r": run_id, "m": mark},
+                    )
+                tops[name] = run_id
+        upgrade(engine)
+        with engine.connect() as conn:
+            got = conn.execute(text("SELECT run_id, rank, stored_to FROM ranks ORDER BY run_id, rank")).all()
+        assert got == [
+            (tops["marked"], 0, 99),
+            (tops["marked"], 1, 59),
+            (tops["marked"], 2, 59),
+            (tops["unmarked"], 0, 9),
+            (tops["unmarked"], 1, None),
+        ]
+    finally:
+        engine.dispose()
+
+
 def test_the_collector_rolls_up_what_ingest_stored(database_url: str) -> None:
     """Through HTTP: ingest hands each committed batch's steps to the collector's own worker, which
-    rolls them up (two ranks' batches of the same steps: each step's rollup holds both)."""
+    rolls them up (two ranks' batches of the same steps: each step's rollup holds both), and keeps each
+    rank's highest stored step, which tells reads whether raw values lie above the watermark."""
     collector = Collector(database_url)
     engine = make_engine(database_url)
     try:
@@ -659,6 +715,21 @@ def test_the_collector_rolls_up_what_ingest_stored(database_url: str) -> None:
             time.sleep(0.05)
         assert sorted(got) == [(0, 2, 4.0), (1, 2, 4.0), (2, 2, 4.0)]
         assert mark == 2
+        # Each rank's highest stored step, kept by ingest: nothing above the watermark, so reads above it ask
+        # no raw values; below it they would, and where a rank's is not known they do.
+        with engine.begin() as conn:
+            assert conn.execute(text("SELECT rank, stored_to FROM ranks ORDER BY rank")).all() == [
+                (0, 2),
+                (1, 2),
+            ]
+            assert not rollups.stored_above(conn, [sid], 2) and rollups.stored_above(conn, [sid], 1)
+            assert step_rollups.step_range(conn, [sid], None, None) == (0, 2, 6)
+            conn.execute(text("UPDATE ranks SET stored_to = NULL WHERE rank = 1"))
+            assert rollups.stored_above(conn, [sid], 2)
+            conn.execute(
+                text("DELETE FROM ranks WHERE rank = 1")
+            )  # a rank without a row: values written by hand
+            assert rollups.stored_above(conn, [sid], 2)
     finally:
         engine.dispose()
         collector.close()

@@ -139,9 +139,9 @@ _SESSIONS: Table = AgentSession.__table__  # type: ignore[assignment]
 def _rank_update() -> Any:
     """One rank's state after a batch, in ONE statement that reads the row it updates (SET expressions see
     the row as it was): every stored batch adds its rows to `stored_values`; a late batch of an older
-    incarnation changes only that and `last_seen_at`; a newer incarnation takes over the identity and
-    resets `last_step`; the same incarnation moves `last_step` forward only, and the heartbeat to a later
-    one only. Parameters are prefixed `b_` (SQLAlchemy keeps the columns' own names for its SET clause);
+    incarnation changes only that, `last_seen_at` and `stored_to`; a newer incarnation takes over the identity
+    and resets `last_step`; the same incarnation moves `last_step` forward only, and the heartbeat to a later
+    one only; `stored_to` (the highest step stored, any incarnation) moves forward only. Parameters are prefixed `b_` (SQLAlchemy keeps the columns' own names for its SET clause);
     flags say which optional values the batch has, since a JSON NULL is not SQL NULL."""
     c = _RANKS.c
 
@@ -152,6 +152,7 @@ def _rank_update() -> Any:
     current = inc >= c.incarnation  # the batch's incarnation is the rank's (or newer)
     newer = inc > c.incarnation
     last = param("last_step", c.last_step)
+    top = param("stored_to", c.stored_to)  # the batch's highest step (NULL: it has none), any incarnation
     hb_at = param("hb_at", c.last_heartbeat_at)
     has_hb = bindparam("b_has_hb", type_=Boolean)
     hb_newer = and_(has_hb, current, or_(c.last_heartbeat_at.is_(None), hb_at >= c.last_heartbeat_at, newer))
@@ -182,6 +183,7 @@ def _rank_update() -> Any:
             ),
             incarnation=case((newer, inc), else_=c.incarnation),
             stored_values=c.stored_values + bindparam("b_rows", type_=c.stored_values.type),
+            stored_to=case((or_(c.stored_to.is_(None), top > c.stored_to), top), else_=c.stored_to),
         )
     )
 
@@ -503,6 +505,7 @@ def _rank_params(batch: Batch, run_id: int, incarnation: int, now: dt.datetime) 
         "b_now": now,
         "b_incarnation": incarnation,
         "b_last_step": batch_last,
+        "b_stored_to": int(batch.steps[-1]) if batch.steps.size else None,
         "b_has_hb": hb is not None,
         "b_hb_at": None if hb is None else _from_unix(hb.ts),
         "b_phase": None if hb is None else hb.phase,
@@ -529,6 +532,7 @@ def _new_rank(p: dict[str, Any]) -> dict[str, Any]:
         "agent_version": p["b_agent_version"],
         "agent_counters": p["b_agent_counters"],
         "stored_values": p["b_rows"],
+        "stored_to": p["b_stored_to"],
     }
 
 

@@ -29,6 +29,7 @@ from stepwatch_server.runs.rollups import (
     rolled_to,
     run_ids_of,
     run_ranks,
+    stored_above,
 )
 from stepwatch_server.storage.chunks import chunk_size, chunks
 from stepwatch_server.storage.models import StepRollup
@@ -56,12 +57,15 @@ def step_peaks(
         found.append((sid, high, bad))
         packed = step_packs.read(conn, ids, first, top)
         found.append((packed[0], packed[7], packed[8].astype(np.int64)))
-    if last > mark:
+    if last > mark and stored_above(conn, ids, mark):
         ranks = run_ranks(conn, run_ids_of(conn, ids))
         sid, *_, value = read_values(conn, ids, None, max(first, mark + 1), last, ranks=ranks)
         finite = np.isfinite(value)
         found.append((sid, np.where(finite, value, np.nan), (~finite).astype(np.int64)))
-    sid, high, bad = (np.concatenate(c) for c in zip(*found, strict=True))  # first <= last: one read at least
+    if not found:  # all of the range above the watermark, where nothing is stored
+        none = np.zeros(0, dtype=np.int64)
+        return none, np.zeros(0, dtype=np.float64), none
+    sid, high, bad = (np.concatenate(c) for c in zip(*found, strict=True))
     return sid, high, bad
 
 
@@ -234,14 +238,16 @@ def step_range(
     count_up_to: int | None = None,
 ) -> tuple[int, int, int] | None:
     """(first step, last step, number of raw values) stored for `ids` in the range, None if none:
-    from the step rollups up to the watermark (rows and packs), from the raw points above it.
+    from the step rollups up to the watermark (rows and packs), from the raw points above it (where a rank
+    has any there: `rollups.stored_above`).
     `count_up_to`: the number of values is exact up to it, and above it only known to be larger (the
     rows are counted until they hold more; None: all counted); 0: not counted (a range's extent)."""
     if not ids:
         return None
     mark = rolled_to(conn, ids)
     first, last = from_step or 0, NO_LIMIT if to_step is None else to_step
-    ranks = run_ranks(conn, run_ids_of(conn, ids)) if last > mark else None
+    raw = last > mark and stored_above(conn, ids, mark)
+    ranks = run_ranks(conn, run_ids_of(conn, ids)) if raw else None
     found: list[Any] = []
     counted = 0
     for part in chunks(ids, chunk_size(conn, fixed=len(ranks or ()) + 4)):
@@ -252,7 +258,7 @@ def step_range(
             n = _count_rows(conn, params, left) if left is None or left >= 0 else 0
             counted += n
             found.append((lo, hi, n))
-        if last > mark:
+        if raw:
             ranked, params = ranked_params({**params, "first": max(first, mark + 1), "last": last}, ranks)
             found.append(conn.execute(_RAW_RANGE[ranked], params).one())
     found = [f for f in found if f[0] is not None]

@@ -104,6 +104,10 @@ class Rank(Base):
     num_shards: Mapped[int]
     incarnation: Mapped[int]
     last_step: Mapped[int | None] = mapped_column(BigInteger)
+    # The highest step of any batch stored for the rank, every incarnation's (ingest moves it forward only; NULL
+    # where not known): no value of the rank lies above it, so a read above the rollup watermark asks the raw
+    # values only where some rank's is above the watermark (runs/rollups.py `stored_above`).
+    stored_to: Mapped[int | None] = mapped_column(BigInteger)
     last_seen_at: Mapped[dt.datetime]
     last_heartbeat_at: Mapped[dt.datetime | None]
     phase: Mapped[str | None] = mapped_column(String(200))
