@@ -182,9 +182,9 @@ def span_peaks(
     value over every rank, step and incarnation there, NaN where it has none; its non-finite values), as
     a ranking needs them: the whole level-0 buckets up to the watermark as the fewest whole buckets of any
     level (`_pieces`), of which only the highest maximum and non-finite count stored beside each pack are
-    read, nothing decoded (`rank_packs.peaks`), and the steps at the range's ends, a row a step over all ranks where rolled
-    up (`step_rollups.step_peaks`: at 256 ranks the raw values of a partial bucket took seconds). A restart's
-    re-sent steps count with both incarnations' values, as the amax curves' peaks do
+    read, nothing decoded (`rank_packs.peaks`), and the steps at the range's ends, a row a step over all
+    ranks where rolled up (`step_rollups.step_peaks`: at 256 ranks the raw values of a partial bucket took
+    seconds). A restart's re-sent steps count with both incarnations' values, as the amax curves' peaks do
     (`step_rollups.across_ranks` without means)."""
     mark = rolled_to(conn, ids)
     lo = -(-first_step // BUCKET_STEPS)

@@ -164,9 +164,14 @@ def ranked_params(params: dict[str, Any], ranks: list[int] | None) -> tuple[bool
 def run_ranks(conn: Connection, run_ids: list[int]) -> list[int] | None:
     """Every rank number the runs may hold values for (0..world size - 1, or up to the highest rank
     seen); None when there are more than MAX_RANK_LIST (then a query reads all ranks)."""
-    world, seen = conn.execute(_RANK_COUNT, {"runs": run_ids}).one()
-    count = max(int(world or 0), int(seen or 0))
+    count = _rank_count(conn, run_ids)
     return list(range(count)) if count <= MAX_RANK_LIST else None
+
+
+def _rank_count(conn: Connection, run_ids: list[int]) -> int:
+    """The ranks the runs may hold values for: their world size, or the highest rank seen + 1."""
+    world, seen = conn.execute(_RANK_COUNT, {"runs": run_ids}).one()
+    return max(int(world or 0), int(seen or 0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,8 +402,8 @@ def stored_above(conn: Connection, ids: list[int], mark: int) -> bool:
     if not run_ids:
         return False
     rows, unknown, top = conn.execute(_STORED_TO, {"runs": run_ids}).one()
-    ranks = run_ranks(conn, run_ids)
-    return bool(unknown) or ranks is None or int(rows) < len(ranks) or (top is not None and int(top) > mark)
+    known = not unknown and int(rows) >= _rank_count(conn, run_ids)
+    return not known or (top is not None and int(top) > mark)
 
 
 def raw_points(conn: Connection, ids: list[int], first: int, last: int | None) -> list[Any]:
