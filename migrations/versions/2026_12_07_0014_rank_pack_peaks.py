@@ -36,13 +36,10 @@ def _peaks(conn: sa.Connection, sid: int, level: int) -> list[dict[str, object]]
     if not found:
         return []
     _, sizes, columns = rank_packs.decode_columns([bytes(row[-1]) for row in found], ('hi', 'nonfinite'))
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])  # every pack holds a rank at least
-    with np.errstate(invalid='ignore'):
-        highest = np.fmax.reduceat(columns[rank_packs.FIGURES.index('hi')], starts).tolist()
-    nonfinite = np.add.reduceat(columns[rank_packs.FIGURES.index('nonfinite')], starts).tolist()
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()  # every pack holds a rank at least
     return [
-        {**dict(zip(KEY, row[:-1], strict=True)), 'hi': None if np.isnan(high) else high, 'nonfinite': int(bad)}
-        for row, high, bad in zip(found, highest, nonfinite, strict=True)
+        {**dict(zip(KEY, row[:-1], strict=True)), 'hi': high, 'nonfinite': bad}
+        for row, high, bad in zip(found, *rank_packs.stored_peaks(columns, starts), strict=True)
     ]
 
 

@@ -141,8 +141,9 @@ def _rank_update() -> Any:
     the row as it was): every stored batch adds its rows to `stored_values`; a late batch of an older
     incarnation changes only that, `last_seen_at` and `stored_to`; a newer incarnation takes over the identity
     and resets `last_step`; the same incarnation moves `last_step` forward only, and the heartbeat to a later
-    one only; `stored_to` (the highest step stored, any incarnation) moves forward only. Parameters are prefixed `b_` (SQLAlchemy keeps the columns' own names for its SET clause);
-    flags say which optional values the batch has, since a JSON NULL is not SQL NULL."""
+    one only; `stored_to` (the highest step stored, any incarnation) moves forward only. Parameters are
+    prefixed `b_` (SQLAlchemy keeps the columns' own names for its SET clause); flags say which optional
+    values the batch has, since a JSON NULL is not SQL NULL."""
     c = _RANKS.c
 
     def param(name: str, column: Any) -> Any:

@@ -183,13 +183,21 @@ def rows(level: int, cols: list[np.ndarray], parts: bool = True) -> list[dict[st
         for part, (a, b, data) in enumerate(_parts(whole, rank, figures)):
             out.append({**key, "part": part, "ranks": b - a, "data": data})
             starts.append(a)
+    for row, high, bad in zip(out, *stored_peaks(figures, starts), strict=True):
+        row["hi"], row["nonfinite"] = high, bad
+    return out
+
+
+def stored_peaks(
+    figures: Sequence[np.ndarray], starts: Sequence[int]
+) -> tuple[list[float | None], list[int]]:
+    """For packs whose ranks follow one another in the five columns `figures`, each beginning at its entry of
+    `starts`: each pack's highest maximum (None where no rank had a finite value) and non-finite values, the
+    columns stored beside it (`rows`; migration 0014)."""
     with np.errstate(invalid="ignore"):
         highest = np.fmax.reduceat(figures[FIGURES.index("hi")], starts).tolist()
     nonfinite = np.add.reduceat(figures[FIGURES.index("nonfinite")], starts).tolist()
-    for row, high, bad in zip(out, highest, nonfinite, strict=True):
-        row["hi"] = None if math.isnan(high) else high
-        row["nonfinite"] = int(bad)
-    return out
+    return [None if math.isnan(h) else h for h in highest], [int(b) for b in nonfinite]
 
 
 def _parts(
