@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from alembic import command
 from sqlalchemy import Engine, event, func, insert, select, text, update
 
 from stepwatch_server.cli import build_parser
@@ -29,6 +30,7 @@ from stepwatch_server.runs.deletion import delete_run, find
 from stepwatch_server.runs.expiry import ExpiryWorker
 from stepwatch_server.settings import Settings
 from stepwatch_server.storage import blocks, make_engine, upgrade, write_transaction
+from stepwatch_server.storage.migrate import alembic_config
 from stepwatch_server.storage.models import (
     Point,
     Rank,
@@ -621,6 +623,100 @@ def test_blocks_of_every_size_read_back_whole_and_postgresql_keeps_their_whole_t
                 ).all()
             )
         assert storage == {"data": "m", "tail": "e"}  # MAIN: kept in the row; EXTERNAL: out of line, as is
+
+
+def _disk_bytes(conn: Any, table: str) -> int:
+    """Bytes the database holds in use for `table` with its indexes (SQLite: the file's pages in use, as
+    only this table grows between two readings)."""
+    if conn.dialect.name == "postgresql":
+        return int(conn.execute(text(f"SELECT pg_total_relation_size('{table}')")).scalar_one())
+    pages = (
+        conn.execute(text("PRAGMA page_count")).scalar_one()
+        - conn.execute(text("PRAGMA freelist_count")).scalar_one()
+    )
+    return int(pages) * int(conn.execute(text("PRAGMA page_size")).scalar_one())
+
+
+def test_blocks_take_little_more_disk_than_their_bytes(engine: Engine) -> None:
+    """Blocks of 4-6 KB (a run of ~10 values a rank and step: 256 steps at ~2 bytes a value), incompressible,
+    inserted as compaction does (a bucket at a time, every rank's): the table and its key take at most 1.15
+    times their bytes. On SQLite a WITHOUT ROWID row keeps ~490 bytes in the b-tree and the rest on overflow
+    pages of its own, the last part-filled (1.34 times here, 1.54 at 5-6 KB); with rowids a row's overflow
+    pages are whole. On PostgreSQL the whole TOAST chunks are stored apart (`blocks.tail`)."""
+    rng = np.random.default_rng(11)
+    rows = [
+        {"rank": rank, "bucket": bucket, "incarnation": 1, "n_values": 1,
+         "data": rng.integers(0, 256, int(rng.integers(4000, 6000)), dtype=np.uint8).tobytes()}
+        for bucket in range(40) for rank in range(16)
+    ]  # fmt: skip
+    now = dt.datetime.now(dt.UTC)
+    with write_transaction(engine) as conn:
+        run_id = conn.execute(
+            insert(Run).values(name="disk", world_size=16, created_at=now, last_seen_at=now).returning(Run.id)
+        ).scalar_one()
+    with engine.connect() as conn:
+        before = _disk_bytes(conn, "blocks")
+    for bucket in range(40):
+        with write_transaction(engine) as conn:
+            blocks.insert_rows(conn, run_id, rows[bucket * 16 : bucket * 16 + 16])
+    with engine.connect() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.execute(
+                text("ANALYZE blocks")
+            )  # the visibility and free space maps, as autovacuum leaves them
+        used = _disk_bytes(conn, "blocks") - before
+        assert conn.execute(select(func.count()).select_from(ValueBlock)).scalar_one() == len(rows)
+    sent = sum(len(r["data"]) for r in rows)
+    assert used <= 1.15 * sent, (
+        f"{used:,} bytes on disk for {sent:,} bytes of blocks ({used / sent:.3f} times)"
+    )
+
+
+def test_the_migration_moves_sqlite_blocks_into_a_table_with_rowids_and_back(database_url: str) -> None:
+    """Blocks written under 0015 (SQLite: WITHOUT ROWID, ~1.3 times their bytes) are all there after 0016,
+    byte for byte, and then take at most 1.15 times their bytes (the old table's pages freed); a downgrade
+    copies them back. PostgreSQL: the same rows through both, nothing else to do."""
+    engine = make_engine(database_url)
+    key = ValueBlock.run_id, ValueBlock.rank, ValueBlock.bucket, ValueBlock.incarnation
+    rng = np.random.default_rng(12)
+    try:
+        upgrade(engine, "0015")
+        now = dt.datetime.now(dt.UTC)
+        with write_transaction(engine) as conn:
+            run_id = conn.execute(
+                insert(Run)
+                .values(name="old", world_size=8, created_at=now, last_seen_at=now)
+                .returning(Run.id)
+            ).scalar_one()
+            empty = _disk_bytes(conn, "blocks")
+        rows = [
+            {"rank": rank, "bucket": bucket, "incarnation": 1, "n_values": 3,
+             "data": rng.integers(0, 256, int(rng.integers(4000, 6000)), dtype=np.uint8).tobytes()}
+            for bucket in range(30) for rank in range(8)
+        ]  # fmt: skip
+        for bucket in range(30):
+            with write_transaction(engine) as conn:
+                blocks.insert_rows(conn, run_id, rows[bucket * 8 : bucket * 8 + 8])
+        sent = sum(len(r["data"]) for r in rows)
+        want = sorted((run_id, r["rank"], r["bucket"], 1, r["data"]) for r in rows)
+        with engine.connect() as conn:
+            old = _disk_bytes(conn, "blocks") - empty
+        upgrade(engine)
+        with engine.connect() as conn:
+            got = conn.execute(select(*key, blocks.DATA)).all()
+            assert sorted((*r[:4], bytes(r[4])) for r in got) == want
+            new = _disk_bytes(conn, "blocks") - empty
+            cfg = alembic_config()
+            cfg.attributes["connection"] = conn
+            command.downgrade(cfg, "0015")
+            conn.commit()
+            back = conn.execute(select(*key, blocks.DATA)).all()
+            assert sorted((*r[:4], bytes(r[4])) for r in back) == want
+        if engine.dialect.name == "sqlite":
+            assert old > 1.25 * sent, f"{old / sent:.3f}"  # what 0015's table took
+            assert new <= 1.15 * sent, f"{new / sent:.3f}"
+    finally:
+        engine.dispose()
 
 
 def test_a_value_given_twice_keeps_its_first_copy_in_the_block() -> None:
